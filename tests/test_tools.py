@@ -1,0 +1,400 @@
+import json
+import math
+import operator
+import random
+import threading
+import time
+
+import pytest
+from hypothesis import given, settings, strategies as st
+
+from nanoagent.models import tiny_tokenizer
+from tools import (BM25Index, Tool, ToolCall, calculate, calculator_tool, load_corpus, parse_tool_calls,
+                   run_tool_call, search_tool, tokenize, validate_arguments)
+
+TOOL_NAMES = {"search", "calculator"}
+FUZZ = settings(max_examples=150, deadline=None)
+
+
+def call_text(name, arguments):
+    return f"<tool_call>\n{json.dumps({'name': name, 'arguments': arguments}, ensure_ascii=False)}\n</tool_call>"
+
+
+SEARCH_PARIS = call_text("search", {"query": "paris"})
+
+# -----------------------------------------------------------------------------
+# Parser: a table of cases. Each expected entry is (name, arguments, None) for a good call,
+# or (name, arguments, a piece of the error message) for a bad one.
+
+PARSER_CASES = [
+    ("empty", "", []),
+    ("no call", "I think the answer is 4.", []),
+    ("single", SEARCH_PARIS, [("search", {"query": "paris"}, None)]),
+    ("multiple with text around",
+     f"Let me look. {SEARCH_PARIS} and {call_text('calculator', {'expression': '1+1'})} then answer.",
+     [("search", {"query": "paris"}, None), ("calculator", {"expression": "1+1"}, None)]),
+    ("whitespace and newlines",
+     '<tool_call>  \n\n\t{ "name" : "search" ,\n  "arguments" : { "query" : "x" } }  \n\n</tool_call>',
+     [("search", {"query": "x"}, None)]),
+    ("no whitespace at all", '<tool_call>{"name":"search","arguments":{"query":"x"}}</tool_call>',
+     [("search", {"query": "x"}, None)]),
+    ("braces and closing tag inside strings", call_text("search", {"query": "a } { </tool_call> <tool_call> b"}),
+     [("search", {"query": "a } { </tool_call> <tool_call> b"}, None)]),
+    ("unicode", call_text("search", {"query": "München 東京 🙂"}),
+     [("search", {"query": "München 東京 🙂"}, None)]),
+    ("unicode escapes", '<tool_call>{"name": "search", "arguments": {"query": "caf\\u00e9"}}</tool_call>',
+     [("search", {"query": "café"}, None)]),
+    ("trailing text", SEARCH_PARIS + "\nWaiting for the result... <answer>", [("search", {"query": "paris"}, None)]),
+    ("stray closing tag", "done </tool_call> really", []),
+    ("truncated inside the JSON", '<tool_call>\n{"name": "search", "argu', [(None, None, "unclosed <tool_call>")]),
+    ("truncated after the JSON", '<tool_call>\n{"name": "search", "arguments": {"query": "x"}}\n',
+     [(None, None, "unclosed <tool_call>")]),
+    ("good call then truncated one", SEARCH_PARIS + '<tool_call>{"name": "calc',
+     [("search", {"query": "paris"}, None), (None, None, "was the output cut off")]),
+    ("arguments as a JSON string", '<tool_call>{"name": "search", "arguments": "{\\"query\\": \\"x\\"}"}</tool_call>',
+     [("search", {"query": "x"}, None)]),
+    ("arguments as a non-JSON string", '<tool_call>{"name": "search", "arguments": "query=x"}</tool_call>',
+     [("search", None, "is a string that is not valid JSON")]),
+    ("arguments as a string holding a list", '<tool_call>{"name": "search", "arguments": "[1]"}</tool_call>',
+     [("search", None, "must be a JSON object, but it is a JSON array")]),
+    ("non-dict JSON", '<tool_call>["search", {"query": "x"}]</tool_call>', [(None, None, "got array")]),
+    ("JSON null", "<tool_call>null</tool_call>", [(None, None, "got null")]),
+    ("missing name", '<tool_call>{"arguments": {"query": "x"}}</tool_call>', [(None, None, 'no "name" string')]),
+    ("name not a string", '<tool_call>{"name": 3, "arguments": {}}</tool_call>', [(None, None, 'no "name" string')]),
+    ("missing arguments", '<tool_call>{"name": "search"}</tool_call>', [("search", None, "but it is missing")]),
+    ("malformed JSON, later call still parsed",
+     '<tool_call>{"name": "search", "arguments": {query: x}}</tool_call>' + SEARCH_PARIS,
+     [(None, None, "invalid JSON inside <tool_call>: Expecting property name"), ("search", {"query": "paris"}, None)]),
+    ("text after the JSON", '<tool_call>{"name": "search", "arguments": {}} oops</tool_call>' + SEARCH_PARIS,
+     [(None, None, "unexpected text between the JSON and </tool_call>"), ("search", {"query": "paris"}, None)]),
+    ("unknown tool", call_text("browse", {"url": "x"}),
+     [("browse", {"url": "x"}, "unknown tool 'browse'; available tools: calculator, search")]),
+    ("over the cap of 3", SEARCH_PARIS * 5,
+     [("search", {"query": "paris"}, None)] * 3 + [(None, None, "too many tool calls: at most 3 per turn")]),
+]
+
+
+@pytest.mark.parametrize("text, expected", [case[1:] for case in PARSER_CASES], ids=[case[0] for case in PARSER_CASES])
+def test_parse_tool_calls_table(text, expected):
+    calls = parse_tool_calls(text, tool_names=TOOL_NAMES, max_calls=3)
+    assert len(calls) == len(expected), calls
+    for call, (name, arguments, error) in zip(calls, expected):
+        assert (call.name, call.arguments) == (name, arguments), call
+        if error is None:
+            assert call.error is None, call
+        else:
+            assert error in call.error, call
+
+
+def test_parse_without_tool_names_accepts_any_name():
+    assert parse_tool_calls(call_text("browse", {})) == [ToolCall("browse", {})]
+
+
+def check_calls(calls, max_calls):
+    """What every parse result must satisfy: each entry is a usable call or carries an error text."""
+    assert isinstance(calls, list) and len(calls) <= max_calls + 1
+    for call in calls:
+        if call.error is None:
+            assert call.name in TOOL_NAMES and isinstance(call.arguments, dict), call
+        else:
+            assert isinstance(call.error, str) and call.error, call
+
+
+FRAGMENTS = st.sampled_from(["<tool_call>", "</tool_call>", "{", "}", "[", "]", '"', "\\", ":", ",", " ", "\n",
+                             '"name"', '"arguments"', '"search"', '"calculator"', '"query"', "null", "1e999", "[[[["])
+
+
+@FUZZ
+@given(st.one_of(st.text(), st.lists(st.one_of(FRAGMENTS, st.text(max_size=3)), max_size=40).map("".join)))
+def test_parser_never_raises_on_arbitrary_text(text):
+    check_calls(parse_tool_calls(text, tool_names=TOOL_NAMES, max_calls=2), max_calls=2)
+
+
+JSON_VALUES = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | st.text(),
+    lambda children: st.lists(children, max_size=3) | st.dictionaries(st.text(), children, max_size=3), max_leaves=8)
+
+
+@FUZZ
+@given(name=st.sampled_from(sorted(TOOL_NAMES)), arguments=st.dictionaries(st.text(), JSON_VALUES, max_size=3),
+       prefix=st.text(), suffix=st.text())
+def test_well_formed_call_round_trips_through_any_surrounding_text(name, arguments, prefix, suffix):
+    # Only an opening tag in the surrounding text could start another block.
+    prefix, suffix = prefix.replace("<tool_call>", ""), suffix.replace("<tool_call>", "")
+    calls = parse_tool_calls(prefix + call_text(name, arguments) + suffix, tool_names=TOOL_NAMES)
+    assert calls == [ToolCall(name, arguments)]
+
+
+@FUZZ
+@given(arguments=st.dictionaries(st.text(), JSON_VALUES, max_size=3), data=st.data())
+def test_parser_never_raises_on_mangled_calls(arguments, data):
+    text = call_text("search", arguments) * 2
+    start = data.draw(st.integers(0, len(text)))
+    end = data.draw(st.integers(start, len(text)))
+    mangled = text[:start] + data.draw(st.one_of(FRAGMENTS, st.text(max_size=3))) + text[end:]
+    check_calls(parse_tool_calls(mangled, tool_names=TOOL_NAMES, max_calls=1), max_calls=1)
+
+# -----------------------------------------------------------------------------
+# Schema validation
+
+
+def test_schema_is_openai_function_format():
+    assert calculator_tool().schema() == {"type": "function", "function": {
+        "name": "calculator", "description": calculator_tool().description,
+        "parameters": {"type": "object", "required": ["expression"], "properties": {
+            "expression": {"type": "string", "description": "The arithmetic expression to evaluate."}}}}}
+
+
+@pytest.mark.parametrize("arguments, message", [
+    ({"expression": "1+1"}, None),
+    ({}, "tool 'calculator': missing required argument 'expression'"),
+    ({"expression": "1", "precision": 2}, "tool 'calculator': unknown argument 'precision' (expected: expression)"),
+    ({"expression": 3}, "tool 'calculator': argument 'expression' must be a string, got integer"),
+    ({"expression": ["1"]}, "tool 'calculator': argument 'expression' must be a string, got array"),
+    ({"expr": "1"},
+     "tool 'calculator': missing required argument 'expression'; unknown argument 'expr' (expected: expression)"),
+    (["1+1"], "tool 'calculator': arguments must be a JSON object, got array"),
+    (None, "tool 'calculator': arguments must be a JSON object, got null"),
+])
+def test_validate_arguments_messages(arguments, message):
+    assert validate_arguments(calculator_tool(), arguments) == message
+
+
+TYPED_TOOL = Tool("typed", "", {"type": "object", "required": [], "properties": {
+    kind: {"type": kind} for kind in ["string", "integer", "number", "boolean", "array", "object", "null"]}}, dict)
+
+
+@pytest.mark.parametrize("kind, value, actual", [
+    ("string", "a", None), ("string", None, "null"), ("integer", 3, None), ("integer", 3.0, "number"),
+    ("integer", True, "boolean"), ("number", 3, None), ("number", 2.5, None), ("number", False, "boolean"),
+    ("boolean", True, None), ("boolean", 1, "integer"), ("array", [], None), ("array", {}, "object"),
+    ("object", {"a": 1}, None), ("object", "{}", "string"), ("null", None, None), ("null", 0, "integer"),
+])
+def test_validate_argument_types(kind, value, actual):
+    expected = None if actual is None else f"tool 'typed': argument {kind!r} must be a {kind}, got {actual}"
+    assert validate_arguments(TYPED_TOOL, {kind: value}) == expected
+
+
+@FUZZ
+@given(JSON_VALUES)
+def test_validation_never_raises_and_matches_a_plain_reference(arguments):
+    ok = isinstance(arguments, dict) and set(arguments) == {"expression"} and type(arguments["expression"]) is str
+    message = validate_arguments(calculator_tool(), arguments)
+    assert message is None if ok else message.startswith("tool 'calculator': ")
+
+# -----------------------------------------------------------------------------
+# Running a call: every failure is an observation text with ok=False
+
+
+def test_run_tool_call_success_and_every_error_path():
+    tools = {"calculator": calculator_tool()}
+    assert run_tool_call(ToolCall("calculator", {"expression": "2 + 3"}), tools) == ("5", True)
+    assert run_tool_call(ToolCall(None, None, "invalid JSON inside <tool_call>: x"), tools) == (
+        "Error: invalid JSON inside <tool_call>: x", False)
+    assert run_tool_call(ToolCall("search", {"query": "x"}), tools) == (
+        "Error: unknown tool 'search'; available tools: calculator", False)
+    assert run_tool_call(ToolCall("calculator", {"expression": 1}), tools) == (
+        "Error: tool 'calculator': argument 'expression' must be a string, got integer", False)
+    # The calculator's own errors are answers of a call that ran: ok stays True.
+    assert run_tool_call(ToolCall("calculator", {"expression": "1/0"}), tools) == ("Error: division by zero", True)
+
+
+def test_run_tool_call_isolates_exceptions_timeouts_and_long_outputs():
+    release = threading.Event()
+
+    def broken():
+        raise RuntimeError("boom")
+
+    def stuck():
+        release.wait(10)
+        return "late"
+
+    tools = {"broken": Tool("broken", "", {"type": "object", "properties": {}}, broken),
+             "stuck": Tool("stuck", "", {"type": "object", "properties": {}}, stuck),
+             "long": Tool("long", "", {"type": "object", "properties": {}}, lambda: "x" * 5000),
+             "number": Tool("number", "", {"type": "object", "properties": {}}, lambda: 42)}
+    assert run_tool_call(ToolCall("broken", {}), tools) == ("Error: tool 'broken' failed: RuntimeError: boom", False)
+    assert run_tool_call(ToolCall("stuck", {}), tools, timeout_s=0.1) == (
+        "Error: tool 'stuck' timed out after 0.1 s", False)
+    release.set()
+    assert run_tool_call(ToolCall("long", {}), tools, max_output_chars=100) == (
+        "x" * 100 + "\n... [truncated 4900 characters]", True)
+    assert run_tool_call(ToolCall("long", {}), tools, max_output_chars=5000) == ("x" * 5000, True)
+    assert run_tool_call(ToolCall("number", {}), tools) == ("42", True)
+
+
+def test_parse_then_run_a_whole_turn():
+    turn = f"Two lookups. {call_text('calculator', {'expression': '6 × 7'})}<tool_call>{{oops}}</tool_call>"
+    tools = {"calculator": calculator_tool()}
+    results = [run_tool_call(call, tools) for call in parse_tool_calls(turn, tool_names=tools)]
+    assert results == [("42", True), ("Error: invalid JSON inside <tool_call>: "
+                                      "Expecting property name enclosed in double quotes", False)]
+
+# -----------------------------------------------------------------------------
+# Calculator
+
+
+@pytest.mark.parametrize("expression, value", [
+    ("1 + 2 * 3", "7"), ("(1 + 2) * 3", "9"), ("2 ** 10", "1024"), ("2^10", "1024"), ("2**3**2", "512"),
+    ("-2 ** 2", "-4"), ("-3 + -(-2)", "-1"), ("+4", "4"), ("7 / 2", "3.5"), ("6 ÷ 3", "2"), ("3 × 4 − 5", "7"),
+    ("1.5 * 4", "6"), ("0.1 + 0.2", "0.3"), ("2 ** -1", "0.5"), ("  10**20 ", "100000000000000000000"),
+    (".5e1 - 1", "4"), ("1/3", "0.333333333333"),
+])
+def test_calculator_values(expression, value):
+    assert calculate(expression) == value
+
+
+@pytest.mark.parametrize("expression, message", [
+    ("1/0", "Error: division by zero"), ("1 / (2 - 2.0)", "Error: division by zero"),
+    ("9**9**9", "Error: result too large"), ("2**100000", "Error: result too large"),
+    ("10.0 ** 400", "Error: result too large"), ("2**3000 / 3", "Error: result too large"),
+    ("(10**300)**12", "Error: result too large"),
+    ("1" * 10_000, "Error: expression too long (at most 300 characters)"),
+    ("2 +", "Error: not a valid arithmetic expression"), ("", "Error: not a valid arithmetic expression"),
+    ("(-8) ** 0.5", "Error: the result is not a real number"), ("1e999", "Error: the result is not a finite number"),
+])
+def test_calculator_errors(expression, message):
+    assert calculate(expression) == message
+
+
+@pytest.mark.parametrize("code", [
+    "__import__('os').getcwd()", "open('x')", "abs(-1)", "x", "x + 1", "(1).real", "(1).__class__", "lambda: 1",
+    "(lambda: 1)()", "[i for i in (1, 2)]", "{i for i in (1,)}", "sum(i for i in (1,))", "'a' * 3", "True + 1",
+    "1 if 1 else 2", "(1, 2)", "[1]", "{1: 2}", "1 < 2", "not 1", "1 and 2", "~1", "1 & 3", "1 // 2", "5 % 3",
+    "1j", "...", "f'{1}'", "b'1'", "(x := 1)", "1; 2", "import os",
+])
+def test_calculator_never_executes_code(code):
+    result = calculate(code)
+    assert result in ("Error: not a valid arithmetic expression", "Error: the result is not a real number") or \
+        result.startswith("Error: only numbers, + - * / ** and parentheses are allowed (found "), result
+
+
+def combine(left, symbol, right):
+    """Two (expression text, value) pairs joined by one operator, the value computed directly."""
+    value = {"+": operator.add, "-": operator.sub, "*": operator.mul}[symbol](left[1], right[1])
+    return f"({left[0]} {symbol} {right[0]})", value
+
+
+INTEGER_EXPRESSIONS = st.recursive(
+    st.integers(-50, 50).map(lambda n: (f"({n})", n)),
+    lambda children: st.tuples(children, st.sampled_from("+-*"), children).map(lambda t: combine(*t)), max_leaves=16)
+
+
+@FUZZ
+@given(INTEGER_EXPRESSIONS)
+def test_calculator_matches_integer_arithmetic(expression_and_value):
+    expression, value = expression_and_value
+    assert calculate(expression) == str(value)
+
+
+@FUZZ
+@given(st.one_of(st.text(), st.text("0123456789.+-*/^()eE ×÷−", max_size=300), st.lists(
+    st.sampled_from(["9", "**", "(", ")", "-", "99999", ".5", "/", "0"]), max_size=60).map("".join)))
+def test_calculator_never_raises_and_answers_fast(expression):
+    start = time.perf_counter()
+    result = calculate(expression)
+    assert time.perf_counter() - start < 1.0, expression  # a generous bound: it is microseconds in practice
+    assert isinstance(result, str) and result
+
+
+# -----------------------------------------------------------------------------
+# BM25 search
+
+SMALL_DOCS = ["the cat sat on the mat", "the dog sat on the log", "cats and dogs", "the cat chased the dog", "a bird"]
+
+
+def reference_bm25(docs, query, k1=1.5, b=0.75):
+    """BM25 with plain loops, straight from the formula; {doc index: score} for scores > 0."""
+    tokenized = [tokenize(doc) for doc in docs]
+    average_length = sum(len(doc) for doc in tokenized) / len(docs)
+    scores = {}
+    for i, doc in enumerate(tokenized):
+        score = 0.0
+        for term in tokenize(query):
+            tf = doc.count(term)
+            df = sum(term in other for other in tokenized)
+            if tf:
+                idf = math.log(1 + (len(docs) - df + 0.5) / (df + 0.5))
+                score += idf * tf * (k1 + 1) / (tf + k1 * (1 - b + b * len(doc) / average_length))
+        if score > 0:
+            scores[i] = score
+    return scores
+
+
+def test_bm25_hand_made_corpus():
+    index = BM25Index(SMALL_DOCS)
+    assert [i for i, _ in index.search("cat", 5)] == [3, 0]  # same tf and idf: the shorter document wins
+    assert [i for i, _ in index.search("dog sat", 5)] == [1, 3, 0]  # doc 1 has both words
+    assert [i for i, _ in index.search("dog sat", 1)] == [1]
+    assert index.search("elephant", 5) == [] and index.search("", 5) == []
+    # "bird": N=5, df=1, idf=log(1 + 4.5/1.5)=log 4; tf=1, |D|=2, avgdl=22/5.
+    [(doc, score)] = index.search("BIRD!", 5)
+    assert doc == 4 and score == pytest.approx(math.log(4) * 2.5 / (1 + 1.5 * (0.25 + 0.75 * 2 / 4.4)))
+
+
+def test_bm25_ties_go_to_the_lower_index():
+    assert [i for i, _ in BM25Index(["x y", "a b", "x y", "x y"]).search("x", 2)] == [0, 2]
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_bm25_matches_plain_loop_reference(seed):
+    rng = random.Random(seed)
+    words = ["alpha", "beta", "gamma", "delta", "eps", "zeta", "eta", "theta"]
+    docs = [" ".join(rng.choices(words, k=rng.randint(0, 12))) for _ in range(30)]
+    for _ in range(5):
+        query = " ".join(rng.choices(words + ["missing"], k=rng.randint(1, 4)))
+        reference = reference_bm25(docs, query)
+        results = BM25Index(docs).search(query, len(docs))
+        assert [i for i, _ in results] == sorted(reference, key=lambda i: (-reference[i], i))
+        assert [score for _, score in results] == pytest.approx([reference[i] for i, _ in results])
+
+
+CORPUS = [{"title": "Paris", "text": "Paris is the capital of France."},
+          {"title": "Eiffel Tower", "text": "A wrought-iron lattice tower in Paris."},
+          {"title": "Berlin", "text": "Berlin is the capital of Germany."}]
+
+
+def test_search_tool_output():
+    search = search_tool(CORPUS, top_k=2).function
+    assert search("capital of France") == ("[1] Paris\nParis is the capital of France.\n\n"
+                                           "[2] Berlin\nBerlin is the capital of Germany.")
+    assert search("eiffel") == "[1] Eiffel Tower\nA wrought-iron lattice tower in Paris."  # titles are indexed too
+    assert search("tokyo") == "No results for 'tokyo'."
+    assert search_tool(CORPUS, max_chars=20).function("paris") == "[1] Paris\nParis is t ... [truncated]"
+
+
+def test_load_corpus_from_rows_jsonl_parquet_and_dataset(tmp_path):
+    import datasets
+    import pyarrow
+    import pyarrow.parquet
+    rows = [{"title": "A", "text": "first", "id": 1}, {"text": "no title"}]
+    expected = [{"title": "A", "text": "first"}, {"title": "", "text": "no title"}]
+    (tmp_path / "corpus.jsonl").write_text("\n".join(json.dumps(row) for row in rows) + "\n\n")
+    table = pyarrow.Table.from_pylist([{"title": "A", "text": "first"}, {"title": None, "text": "no title"}])
+    pyarrow.parquet.write_table(table, tmp_path / "corpus.parquet")
+    assert load_corpus(rows) == expected
+    assert load_corpus(tmp_path / "corpus.jsonl") == expected
+    assert load_corpus(str(tmp_path / "corpus.parquet")) == expected
+    assert load_corpus(datasets.Dataset.from_list(expected)) == expected
+    with pytest.raises(AssertionError, match="'text' field"):
+        load_corpus([{"title": "A"}])
+
+# -----------------------------------------------------------------------------
+# The chat template renders our schemas, and the call format it teaches is the one we parse
+
+
+def test_schema_renders_in_the_chat_template():
+    tokenizer = tiny_tokenizer()
+    tools = [calculator_tool(), search_tool(CORPUS)]
+    call = call_text("search", {"query": "capital of France"})
+    messages = [{"role": "user", "content": "What is the capital of France?"},
+                {"role": "assistant", "content": call},
+                {"role": "tool", "content": "[1] Paris\nParis is the capital of France."}]
+    rendered = tokenizer.apply_chat_template(messages, tools=[tool.schema() for tool in tools], tokenize=False)
+    for tool in tools:
+        assert json.dumps(tool.schema()) in rendered
+    assert "<tool_response>\n[1] Paris\nParis is the capital of France.\n</tool_response>" in rendered
+    # The rendered prompt also shows the format as an example ({"name": <function-name>, ...}), which is
+    # not JSON; the parser reports it as an error and still finds the real call.
+    calls = parse_tool_calls(rendered, tool_names={tool.name for tool in tools})
+    assert [call for call in calls if call.error is None] == [ToolCall("search", {"query": "capital of France"})]
