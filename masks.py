@@ -1,0 +1,257 @@
+"""
+Masks, reward placement and advantage estimators for multi-turn agent RL.
+
+An agent trajectory is one token sequence written by two authors: the model (its reasoning, tool calls,
+answers) and the environment (the prompt, tool responses, game observations, chat-template glue).
+Training must tell them apart. A 10-token example, one token per row for readability:
+
+    t  token               written by    action_mask  reward
+    0  "What is 2+3*4?"    env (prompt)  0
+    1  <tool_call>         agent         1
+    2  "2+3*4"             agent         1
+    3  </tool_call>        agent         1            0.0  <- turn 1 ends here (process reward)
+    4  <tool_response>     env           0
+    5  "14"                env           0
+    6  </tool_response>    env           0
+    7  <answer>            agent         1
+    8  "14"                agent         1
+    9  </answer>           agent         1            1.0  <- final reward, last agent token
+
+The **action (loss) mask** says where gradient flows: log π(token) only counts for tokens the policy chose.
+Tokens 4-6 were written by the calculator; training on them would teach the model to imitate tools
+(and to hallucinate observations) instead of to use them.
+
+The **advantage mask** says which positions take part in credit assignment. GAE runs over t = 1,2,3,7,8,9
+as if 4-6 were not there: the TD error of token 3 bootstraps from V at token 7, the next decision the
+agent makes (δ_3 = r_3 + γ V_7 − V_3), and A_3 = δ_3 + γλ A_7. The tool's tokens are the environment's
+move, not agent timesteps. Running GAE over every token instead would discount once per tool-output token,
+so a call that fetched a long search result would get less credit than one that fetched a short one, and
+the critic's guesses on tokens the agent never acts on would leak into the agent's advantages. With the
+skip, inserting environment tokens between turns changes no agent token's advantage (the tests check it).
+In nanoagent both masks are the same tensor, `action_mask`; they are named apart because they answer
+different questions.
+
+**Reward placement.** A turn's reward goes on the last token the agent wrote in that turn, the final
+reward on the last agent token of the trajectory (token 9 above). Never on an environment token: every
+estimator here reads rewards only where the mask is 1, so a reward sitting on an env token is silently
+lost. The trap is a trajectory that *ends* on a tool response (it hit max_turns right after a call, or
+was truncated): "put the reward on the last token" would put it on env text and drop it. `place_rewards`
+moves such positions back to the nearest preceding agent token, and the estimators assert that no reward
+is left off the mask.
+
+Estimators: GAE (PPO, with a critic), GRPO / Dr.GRPO (group-relative, one score per trajectory),
+REINFORCE++ (discounted return-to-go, whitened over the batch). Plus the masked reductions the loss needs
+(loss aggregation modes, KL estimators) and a renderer that prints who wrote what.
+All per-token tensors are (B, T): B trajectories, T token positions, padding has mask 0.
+"""
+
+import torch
+
+
+# -----------------------------------------------------------------------------
+# Masked reductions
+
+def masked_sum(values, mask, dim=None):
+    """Sum of values where mask is 1. Uses where(), not values * mask, so inf/nan off the mask cannot leak in."""
+    kept = torch.where(mask.bool(), values, torch.zeros_like(values))
+    return kept.sum() if dim is None else kept.sum(dim)
+
+
+def masked_mean(values, mask, dim=None):
+    """Mean of values where mask is 1 (over everything, or along dim). An empty mask gives 0."""
+    count = mask.sum() if dim is None else mask.sum(dim)
+    return masked_sum(values, mask, dim) / count.clamp(min=1)
+
+
+def masked_whiten(values, mask, eps=1e-8):
+    """(values - mean) / std over the positions where mask is 1 (unbiased std); 0 off the mask."""
+    mean = masked_mean(values, mask)
+    centered = torch.where(mask.bool(), values - mean, torch.zeros_like(values))
+    variance = masked_sum(centered ** 2, mask) / (mask.sum() - 1).clamp(min=1)
+    return centered * torch.rsqrt(variance + eps)
+
+
+def aggregate_loss(loss_per_token, mask, mode, norm_constant=None):
+    """
+    Reduce a (B, T) per-token loss to a scalar over the masked tokens. Modes:
+      "token-mean"               every agent token in the batch weighs the same (DAPO). Long
+                                 trajectories count more, as they made more decisions.
+      "seq-mean-token-mean"      mean over each trajectory's tokens, then over trajectories (original
+                                 GRPO). Each trajectory weighs the same, so a token in a long one
+                                 weighs less: the length bias Dr.GRPO points out.
+      "seq-mean-token-sum-norm"  sum over each trajectory's tokens divided by a constant
+                                 (norm_constant, default T), then mean over trajectories (Dr.GRPO).
+                                 Same per-token weight everywhere, and it does not move with the batch.
+    """
+    if mode == "token-mean":
+        return masked_mean(loss_per_token, mask)
+    if mode == "seq-mean-token-mean":
+        return masked_mean(loss_per_token, mask, dim=-1).mean()  # a trajectory with no agent tokens counts 0
+    if mode == "seq-mean-token-sum-norm":
+        norm_constant = mask.shape[-1] if norm_constant is None else norm_constant
+        return (masked_sum(loss_per_token, mask, dim=-1) / norm_constant).mean()
+    raise ValueError(f"unknown loss aggregation mode {mode!r}")
+
+
+def kl_estimate(logprobs, ref_logprobs, mask, kind="k3"):
+    """
+    Per-token estimate of KL(π || π_ref) from log-probs of tokens sampled from π; 0 off the mask. (B, T).
+    With log_ratio = log π − log π_ref (Schulman's "Approximating KL divergence"):
+      k1 = log_ratio                        unbiased, high variance, can be negative
+      k2 = log_ratio² / 2                   biased, low variance, always ≥ 0
+      k3 = exp(−log_ratio) − 1 + log_ratio  unbiased, low variance, always ≥ 0: the usual KL loss (GRPO)
+    """
+    log_ratio = logprobs - ref_logprobs
+    if kind == "k1":
+        kl = log_ratio
+    elif kind == "k2":
+        kl = 0.5 * log_ratio ** 2
+    elif kind == "k3":
+        kl = torch.exp(-log_ratio) - 1 + log_ratio
+    else:
+        raise ValueError(f"unknown KL estimator {kind!r}")
+    return torch.where(mask.bool(), kl, torch.zeros_like(kl))
+
+
+# -----------------------------------------------------------------------------
+# Reward placement
+
+def last_agent_positions(action_mask):
+    """For each row, the index of the last token of every agent segment (a run of 1s in the mask)."""
+    mask = action_mask.bool()  # (B, T)
+    next_is_agent = torch.zeros_like(mask)
+    next_is_agent[:, :-1] = mask[:, 1:]
+    segment_end = mask & ~next_is_agent  # agent token whose successor is not an agent token (or the end)
+    return [row.nonzero().flatten().tolist() for row in segment_end]
+
+
+def place_rewards(turn_rewards, turn_end_positions, action_mask):
+    """
+    Scatter per-turn rewards onto a (B, T) token-reward tensor.
+    turn_rewards[b][k] lands on turn_end_positions[b][k], the index of turn k's last agent token (e.g. from
+    last_agent_positions). The env's step reward of the final turn already includes the outcome, so the final
+    reward ends up on the last agent token of the trajectory. A position that is not an agent token (the
+    caller passed the end of a trailing tool response, say) moves back to the nearest preceding agent token:
+    the reward is kept, never dropped.
+    """
+    B, T = action_mask.shape
+    assert len(turn_rewards) == len(turn_end_positions) == B, "need one list of rewards and positions per row"
+    token_rewards = torch.zeros(B, T, dtype=torch.float32, device=action_mask.device)
+    for b in range(B):
+        assert len(turn_rewards[b]) == len(turn_end_positions[b]), f"row {b}: one position per turn reward"
+        agent_positions = action_mask[b].nonzero().flatten()  # (n_agent,)
+        for reward, position in zip(turn_rewards[b], turn_end_positions[b]):
+            earlier = agent_positions[agent_positions <= position]
+            assert len(earlier) > 0, f"row {b}: no agent token at or before position {position}"
+            token_rewards[b, earlier[-1]] += reward  # += : two turns moved onto one token both count
+    return token_rewards
+
+
+def assert_rewards_on_mask(token_rewards, action_mask):
+    """Every estimator reads rewards only on agent tokens; a reward anywhere else would silently vanish."""
+    off_mask = torch.where(action_mask.bool(), torch.zeros_like(token_rewards), token_rewards)
+    assert (off_mask == 0).all(), "reward on a non-agent token would be lost: place it with place_rewards"
+
+
+# -----------------------------------------------------------------------------
+# Advantage estimators
+
+def compute_gae(token_rewards, values, action_mask, gamma, lam):
+    """
+    Generalized Advantage Estimation over agent tokens only; environment tokens are skipped.
+    Inputs (B, T) floats; returns (advantages, returns), both (B, T) and 0 where action_mask is 0.
+    No whitening here: call masked_whiten on the advantages if you want it.
+    """
+    assert_rewards_on_mask(token_rewards, action_mask)
+    B, T = token_rewards.shape
+    mask = action_mask.bool()
+    advantages = torch.zeros_like(values)
+    # Carried right-to-left: V and A of the next *agent* token. Env tokens leave them untouched,
+    # so the recursion jumps over a tool response as if it were not there. Past the end both are 0.
+    next_value = values.new_zeros(B)  # (B,)
+    next_advantage = values.new_zeros(B)  # (B,)
+    for t in reversed(range(T)):
+        delta = token_rewards[:, t] + gamma * next_value - values[:, t]  # δ_t = r_t + γ V(next agent) − V_t
+        advantage = delta + gamma * lam * next_advantage  # A_t = δ_t + γλ A(next agent)
+        advantages[:, t] = torch.where(mask[:, t], advantage, 0.0)
+        next_value = torch.where(mask[:, t], values[:, t], next_value)
+        next_advantage = torch.where(mask[:, t], advantage, next_advantage)
+    returns = torch.where(mask, advantages + values, 0.0)  # the critic's regression target
+    return advantages, returns
+
+
+def grpo_advantages(scores, group_ids, scale_by_std=True, eps=1e-6):
+    """
+    GRPO: each trajectory's score relative to the other samples of the same prompt (its group):
+    A = (score − group mean) / (group std + eps), unbiased std. scale_by_std=False is Dr.GRPO: no std
+    division, which would up-weight prompts that are almost always solved or almost always failed.
+    scores (N,) floats, group_ids (N,) ints; returns (N,). The same A is used for every agent token.
+    A group whose scores are all equal, including a group of one, has nothing to compare and gets exactly 0
+    (verl's group of one keeps its raw score; float rounding of the mean would leak noise past eps).
+    """
+    scores = torch.as_tensor(scores, dtype=torch.float32)
+    group_ids = torch.as_tensor(group_ids, device=scores.device)
+    _, group_index = torch.unique(group_ids, return_inverse=True)  # (N,) in 0..G-1
+    G = int(group_index.max()) + 1
+    count = scores.new_zeros(G).index_add_(0, group_index, torch.ones_like(scores))  # (G,)
+    mean = scores.new_zeros(G).index_add_(0, group_index, scores) / count
+    centered = scores - mean[group_index]  # (N,)
+    squares = scores.new_zeros(G).index_add_(0, group_index, centered ** 2)
+    std = (squares / (count - 1).clamp(min=1)).sqrt()  # unbiased; a group of one has std 0
+    group_max = scores.new_full((G,), -torch.inf).scatter_reduce(0, group_index, scores, "amax")
+    group_min = scores.new_full((G,), torch.inf).scatter_reduce(0, group_index, scores, "amin")
+    no_signal = (group_max == group_min)[group_index]  # (N,)
+    advantages = centered / (std[group_index] + eps) if scale_by_std else centered
+    return torch.where(no_signal, 0.0, advantages)
+
+
+def reinforce_pp_advantages(token_rewards, action_mask, gamma):
+    """
+    REINFORCE++: no critic, no groups. Each agent token gets its discounted return-to-go over the agent
+    tokens after it, G_t = r_t + γ G(next agent token), and the returns are whitened over all agent tokens
+    of the batch (a global baseline). Returns (B, T), 0 off the mask.
+    """
+    assert_rewards_on_mask(token_rewards, action_mask)
+    B, T = token_rewards.shape
+    mask = action_mask.bool()
+    returns = torch.zeros_like(token_rewards)
+    next_return = token_rewards.new_zeros(B)  # (B,) G of the next agent token
+    for t in reversed(range(T)):
+        next_return = torch.where(mask[:, t], token_rewards[:, t] + gamma * next_return, next_return)
+        returns[:, t] = torch.where(mask[:, t], next_return, 0.0)
+    return masked_whiten(returns, action_mask)
+
+
+# -----------------------------------------------------------------------------
+# Rendering
+
+AGENT_COLOR, ENV_COLOR, REWARD_COLOR, RESET = "\033[32m", "\033[90m", "\033[1;33m", "\033[0m"
+
+
+def render_trajectory(token_ids, action_mask, tokenizer, token_rewards=None, color=True):
+    """
+    One trajectory as text with its authors visible: agent tokens green and environment tokens grey
+    (color=True, for terminals and notebooks), or environment text wrapped in [env]...[/env]
+    (color=False). A nonzero reward prints as ⟨+1.00⟩ right after the token it sits on.
+    token_ids and action_mask are (T,); token_rewards (T,) or None. tokenizer needs .decode(list_of_ids).
+    """
+    token_ids = torch.as_tensor(token_ids).tolist()
+    is_agent = torch.as_tensor(action_mask).bool().tolist()
+    rewards = [0.0] * len(token_ids) if token_rewards is None else torch.as_tensor(token_rewards).tolist()
+    assert len(token_ids) == len(is_agent) == len(rewards), "token_ids, action_mask, token_rewards differ in length"
+    # Cut the sequence into pieces of one author that end at an author change or a reward, and decode each
+    # piece whole (decoding token by token would split multi-byte characters of byte-level BPE).
+    pieces, start = [], 0
+    for t in range(len(token_ids)):
+        if t + 1 == len(token_ids) or is_agent[t + 1] != is_agent[t] or rewards[t] != 0:
+            pieces.append((tokenizer.decode(token_ids[start:t + 1]), is_agent[t], rewards[t]))
+            start = t + 1
+    out = []
+    for text, agent, reward in pieces:
+        if color:
+            out.append((AGENT_COLOR if agent else ENV_COLOR) + text + RESET)
+        else:
+            out.append(text if agent else f"[env]{text}[/env]")
+        if reward != 0:
+            out.append(f"{REWARD_COLOR}⟨{reward:+.2f}⟩{RESET}" if color else f"⟨{reward:+.2f}⟩")
+    return "".join(out)
