@@ -1,0 +1,635 @@
+"""
+Environments: what an agent's turn *means*.
+
+Agent-R1 splits an agent task in two. A Tool (tools.py) executes one action and returns raw output.
+A **ToolEnv** (here) is the orchestrator around it: it takes the model's whole turn, runs the tools it
+called, decides what that means for the task (the state transition), computes the reward, and packages
+the observation for the next turn. RAGEN adds text games where the action is a move, not a tool call.
+Every environment is a plain class, one instance per episode, driven by rollout.py like this:
+
+    env = SyntheticQAEnv(max_turns=4)
+    messages, tool_schemas = env.reset(seed)       # system + user messages, tools for the chat template
+    while True:
+        text = policy(messages, tool_schemas)      # the assistant turn (agent tokens, loss mask 1)
+        result = env.step(text)                    # StepResult(observations, reward, done, info)
+        messages += [{"role": "assistant", "content": text}, *result.observations]  # env tokens, mask 0
+        if result.done:
+            break
+
+Rewards. The episode's score is the sum of its step rewards, and every term is a constructor argument:
+  - outcome: on the final step, `outcome_reward` times exact match (QA) or the game's own reward;
+  - format penalty (RAGEN): `format_penalty` = -0.1 for a turn that has neither a valid action nor a
+    valid answer; its observation says what was expected, so the model can recover on the next turn;
+  - format reward (Agent-R1's partial credit): `format_reward` for every well-formed turn (default 0);
+  - process reward (Agent-R1's intermediate rewards): `process_reward` for each successful tool call
+    that made progress, e.g. retrieved a passage the answer needs and was not seen yet (default 0);
+  - reasoning-aware format (RAGEN): with `require_think=True` a turn must open with <think>...</think>.
+Counts in `info` ("tool_calls", "invalid_calls") are for that step; sum them for the episode.
+
+Seeds. Everything is deterministic given the seed. Procedural envs train on seeds below
+EVAL_SEED_START and evaluate on `eval_seeds(n)`, so no evaluation episode is seen in training.
+SearchQAEnv is separated by dataset split instead (train vs validation); there the seed picks the row.
+"""
+import json
+import random
+import re
+import string
+from collections import Counter, deque
+from dataclasses import dataclass
+from functools import lru_cache
+from pathlib import Path
+
+import tools
+
+EVAL_SEED_START = 10_000_000
+
+
+def eval_seeds(n: int) -> range:
+    """The first n evaluation seeds; training uses seeds in [0, EVAL_SEED_START)."""
+    return range(EVAL_SEED_START, EVAL_SEED_START + n)
+
+
+@dataclass
+class StepResult:
+    observations: list[dict]  # messages to append after the assistant turn: role "tool" or "user"
+    reward: float
+    done: bool
+    info: dict  # always: success, tool_calls, invalid_calls, format_error; QA envs: answer, em, f1
+
+# -----------------------------------------------------------------------------
+# Scoring answers: SQuAD-style normalisation, then exact match, token F1 and substring match
+
+
+def normalize_answer(text: str) -> str:
+    """Lowercase, drop punctuation and the articles a/an/the, collapse whitespace (SQuAD's rule)."""
+    text = "".join(char for char in text.lower() if char not in string.punctuation)
+    text = re.sub(r"\b(a|an|the)\b", " ", text)
+    return " ".join(text.split())
+
+
+def exact_match(prediction: str, answers: list[str]) -> float:
+    """1.0 if the normalised prediction equals any normalised gold answer."""
+    return float(any(normalize_answer(prediction) == normalize_answer(answer) for answer in answers))
+
+
+def substring_match(prediction: str, answers: list[str]) -> float:
+    """1.0 if a normalised gold answer occurs inside the normalised prediction (lenient "cover EM")."""
+    prediction = f" {normalize_answer(prediction)} "  # pad so "1" does not match inside "10"
+    return float(any(f" {normalize_answer(answer)} " in prediction for answer in answers))
+
+
+def f1_score(prediction: str, answers: list[str]) -> float:
+    """Best bag-of-words F1 between the prediction and any gold answer."""
+    best, predicted = 0.0, normalize_answer(prediction).split()
+    for answer in answers:
+        gold = normalize_answer(answer).split()
+        common = sum((Counter(predicted) & Counter(gold)).values())
+        if common:
+            precision, recall = common / len(predicted), common / len(gold)
+            best = max(best, 2 * precision * recall / (precision + recall))
+    return best
+
+# -----------------------------------------------------------------------------
+# The format of a turn: optional <think>...</think>, then tool calls or <answer>...</answer>
+
+THINK_BLOCK = re.compile(r"<think>.*?</think>", re.DOTALL)
+ANSWER_BLOCK = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)
+THINK_INSTRUCTION = " Begin every reply with your reasoning in <think>...</think>."
+FORMAT_HINT = ('Invalid reply: call a tool as <tool_call>{"name": ..., "arguments": {...}}</tool_call> '
+               'or give the final answer as <answer>...</answer>.')
+
+
+def split_thinking(text: str) -> tuple[bool, str]:
+    """(does the turn open with a closed <think> block, the turn with its think blocks removed).
+    Removing them first means an <answer> or a tool call merely *mentioned* while thinking is no action."""
+    return re.match(r"\s*<think>.*?</think>", text, re.DOTALL) is not None, THINK_BLOCK.sub("", text)
+
+
+def extract_answer(text: str) -> str | None:
+    """The stripped content of the first <answer>...</answer>, or None."""
+    match = ANSWER_BLOCK.search(text)
+    return match.group(1).strip() if match else None
+
+
+def format_tool_call(name: str, arguments: dict) -> str:
+    """A tool call as the model writes it (Hermes/Qwen2.5 format); used for demonstrations."""
+    return f"<tool_call>\n{json.dumps({'name': name, 'arguments': arguments})}\n</tool_call>"
+
+# -----------------------------------------------------------------------------
+# ToolEnv: Agent-R1's orchestrator, shared by every tool-using task
+
+
+class ToolEnv:
+    """The tool-turn loop. A subclass sets `system_prompt` and implements `new_task(rng)`; it may
+    override `score(answer)` and `is_useful(call, output)`. One step is one assistant turn:
+      - an <answer> ends the episode with the outcome reward (tool calls in that turn are ignored);
+      - otherwise its tool calls run and each result comes back as a {"role": "tool"} message;
+        a turn whose calls all failed counts as a format error (the errors explain why);
+      - a turn with neither gets `format_penalty` and a {"role": "user"} message saying what to write.
+    The episode also ends after `max_turns` turns, then with no outcome reward."""
+    system_prompt = "Answer the question. Give the final answer as <answer>...</answer>."
+
+    def __init__(self, max_turns=4, outcome_reward=1.0, format_penalty=-0.1, format_reward=0.0,
+                 process_reward=0.0, require_think=False, max_calls_per_turn=2):
+        assert max_turns >= 1, f"max_turns must be at least 1, got {max_turns}"
+        self.max_turns, self.outcome_reward = max_turns, outcome_reward
+        self.format_penalty, self.format_reward, self.process_reward = format_penalty, format_reward, process_reward
+        self.require_think, self.max_calls_per_turn = require_think, max_calls_per_turn
+
+    def new_task(self, rng: random.Random) -> tuple[str, list[str], list[tools.Tool]]:
+        """Draws one task from `rng`: (question, gold answers, tools the model may call)."""
+        raise NotImplementedError
+
+    def score(self, answer: str) -> dict:
+        """Scores a final answer against self.answers; "em" decides success and the outcome reward."""
+        return {"em": exact_match(answer, self.answers), "f1": f1_score(answer, self.answers),
+                "substring_em": substring_match(answer, self.answers)}
+
+    def is_useful(self, call: tools.ToolCall, output: str) -> bool:
+        """Does this successful, not repeated call earn the process reward? By default, yes."""
+        return True
+
+    def reset(self, seed: int) -> tuple[list[dict], list[dict]]:
+        """Starts the episode for `seed`: (opening messages, tool schemas)."""
+        self.seed, self.rng = seed, random.Random(seed)
+        self.question, self.answers, tool_list = self.new_task(self.rng)
+        self.tools = {tool.name: tool for tool in tool_list}
+        self.turn, self.done, self.calls_made = 0, False, set()
+        system = self.system_prompt + (THINK_INSTRUCTION if self.require_think else "")
+        messages = [{"role": "system", "content": system}, {"role": "user", "content": self.question}]
+        return messages, [tool.schema() for tool in tool_list]
+
+    def step(self, assistant_text: str) -> StepResult:
+        """Runs one assistant turn: transition, reward, observations."""
+        assert not self.done, "the episode is over; call reset() for a new one"
+        self.turn += 1
+        thought_first, action_text = split_thinking(assistant_text)
+        well_formed = thought_first or not self.require_think
+        answer = extract_answer(action_text) if well_formed else None
+        calls = tools.parse_tool_calls(action_text, self.tools, self.max_calls_per_turn) if well_formed else []
+        info = {"success": False, "tool_calls": len(calls), "invalid_calls": 0, "format_error": False,
+                "answer": answer, "em": 0.0, "f1": 0.0, "substring_em": 0.0}
+        observations = []
+        if answer is not None:
+            info.update(self.score(answer))
+            info["success"] = info["em"] == 1.0
+            reward, self.done = self.outcome_reward * info["em"] + self.format_reward, True
+        elif calls:
+            useful_calls = 0
+            for call in calls:
+                output, ok = tools.run_tool_call(call, self.tools)
+                observations.append({"role": "tool", "content": output})
+                key = json.dumps([call.name, call.arguments], sort_keys=True)
+                useful_calls += ok and key not in self.calls_made and self.is_useful(call, output)
+                info["invalid_calls"] += not ok
+                if ok:
+                    self.calls_made.add(key)
+            info["format_error"] = info["invalid_calls"] == len(calls)
+            reward = self.format_penalty if info["format_error"] else self.format_reward
+            reward += self.process_reward * useful_calls
+        else:
+            info["format_error"], reward = True, self.format_penalty
+            hint = FORMAT_HINT + (THINK_INSTRUCTION if not well_formed else "")
+            observations.append({"role": "user", "content": hint})
+        self.done = self.done or self.turn >= self.max_turns
+        return StepResult(observations, reward, self.done, info)
+
+# -----------------------------------------------------------------------------
+# Search QA (Agent-R1's task): HotpotQA, 2WikiMultihopQA, MuSiQue
+
+
+HUB_DATASETS = {"hotpotqa": ("hotpotqa/hotpot_qa", "distractor"),  # (Hub name, config)
+                "2wikimultihopqa": ("framolfese/2WikiMultihopQA", None),
+                "musique": ("dgslibisey/MuSiQue", None)}
+
+
+def normalize_qa_row(row: dict) -> dict:
+    """One HotpotQA / 2WikiMultihopQA / MuSiQue example -> {"id", "question", "answers",
+    "paragraphs": [{"title", "text"}], "supporting_titles"}. The schema is recognised by its fields:
+    MuSiQue has "paragraphs"; the other two have "context", either as HF's {"title": [...],
+    "sentences" (or "content"): [[...]]} or as the original JSON's [[title, [sentences]], ...]."""
+    if "paragraphs" in row:
+        paragraphs = [{"title": p["title"], "text": p["paragraph_text"]} for p in row["paragraphs"]]
+        supporting = [p["title"] for p in row["paragraphs"] if p.get("is_supporting")]
+        answers = [row["answer"], *(row.get("answer_aliases") or [])]
+    else:
+        context, facts = row["context"], row.get("supporting_facts") or []
+        if isinstance(context, dict):
+            context = zip(context["title"], context.get("sentences", context.get("content")))
+        paragraphs = [{"title": title, "text": " ".join(s.strip() for s in sentences)} for title, sentences in context]
+        supporting = facts["title"] if isinstance(facts, dict) else [title for title, _ in facts]
+        answers = [row["answer"]]
+    return {"id": str(row.get("id", row.get("_id", ""))), "question": row["question"], "answers": answers,
+            "paragraphs": paragraphs, "supporting_titles": list(dict.fromkeys(supporting))}
+
+
+def load_qa_dataset(source: str, split: str = "train", limit: int | None = None) -> list[dict]:
+    """Normalised rows from a local .json/.jsonl/.parquet file (one file is one split, so `split` is
+    ignored) or from the Hub: "hotpotqa", "2wikimultihopqa", "musique" or any Hub name with the same
+    schema (the Hub needs a connected machine; local files never touch the network)."""
+    import datasets  # imported here: slow to import, and only the dataset envs need it
+    suffix = Path(source).suffix
+    if suffix in (".json", ".jsonl", ".parquet"):
+        builder = "parquet" if suffix == ".parquet" else "json"
+        rows = datasets.load_dataset(builder, data_files=str(source), split="train")
+    else:
+        name, config = HUB_DATASETS.get(source.lower(), (source, None))
+        rows = datasets.load_dataset(name, config, split=split)
+    if limit is not None:
+        rows = rows.select(range(min(limit, len(rows))))
+    return [normalize_qa_row(row) for row in rows]
+
+
+def corpus_from_rows(rows: list[dict]) -> list[dict]:
+    """The union of the rows' paragraphs, deduplicated: a search corpus without a Wikipedia dump."""
+    unique = {(p["title"], p["text"]): p for row in rows for p in row["paragraphs"]}
+    return list(unique.values())
+
+
+@lru_cache(maxsize=8)
+def cached_qa_dataset(source, split: str) -> list[dict]:
+    """load_qa_dataset, once per process: envs are built once per episode, datasets are not."""
+    return load_qa_dataset(str(source), split)
+
+
+class SearchQAEnv(ToolEnv):
+    """Multi-hop QA with a `search` tool. `data` is normalised rows or a source for load_qa_dataset
+    (loaded once per process and cached). By default each question searches its own paragraphs, which
+    in HotpotQA's distractor setting are the 2 gold paragraphs hidden among 8 distractors; pass
+    `search=tools.search_tool(corpus)`, built once, to search a shared corpus (corpus_from_rows(rows)
+    or a user file via tools.load_corpus). The process reward goes to a search that retrieves a
+    supporting paragraph not retrieved before."""
+    system_prompt = ("Answer the question. Use the search tool as often as you need, then give a short "
+                     "final answer as <answer>...</answer>.")
+
+    def __init__(self, data, split="train", search: tools.Tool | None = None, top_k=3, **options):
+        self.rows = cached_qa_dataset(data, split) if isinstance(data, (str, Path)) else data
+        assert len(self.rows) > 0, "SearchQAEnv needs at least one row"
+        self.search, self.top_k = search, top_k
+        super().__init__(**options)
+
+    def new_task(self, rng):
+        self.row = self.rows[self.seed % len(self.rows)]  # seed i is row i: an eval sweep visits every row
+        self.found_titles = set()
+        search = self.search or tools.search_tool(self.row["paragraphs"], top_k=self.top_k)
+        return self.row["question"], self.row["answers"], [search]
+
+    def is_useful(self, call, output):
+        # tools.search_tool writes each hit as "[rank] title\ntext"
+        new_titles = {t for t in self.row["supporting_titles"] if f"] {t}\n" in output} - self.found_titles
+        self.found_titles |= new_titles
+        return bool(new_titles)
+
+# -----------------------------------------------------------------------------
+# Synthetic multi-hop QA: the offline task a tiny model learns on a CPU
+
+SYLLABLES = ["ka", "lo", "mi", "ra", "to", "ne", "su", "bi", "da", "ve",
+             "po", "ri", "ga", "fe", "zu", "ta", "mo", "li", "ni", "sa"]
+ENTITY_TYPES = ["film", "person", "city", "country"]  # each type points to the next by one relation:
+RELATIONS = ["directed by", "born in", "located in"]  # film -> person -> city -> country
+QUESTIONS = {(0, 1): "Who directed {}?",  # (type of the start entity, hops) -> question
+             (0, 2): "Where was the director of {} born?",
+             (0, 3): "In which country was the director of {} born?",
+             (1, 1): "Where was {} born?",
+             (1, 2): "In which country was {} born?",
+             (2, 1): "In which country is {}?"}
+DISTRACTORS = {"film": ("set in", "city"), "person": ("friend of", "person"), "city": ("twinned with", "city")}
+
+
+class SyntheticQAEnv(ToolEnv):
+    """k-hop questions over a knowledge base of made-up entities drawn fresh for every seed, so the
+    answer can only be found by searching. A KB with 2 entities per type looks like:
+
+        Kalo: directed by Mira.   Mira: born in Tova.   Tova: located in Suba.   (+ the others' facts)
+
+    "Where was the director of Kalo born?" needs search("Kalo") -> Mira, then search("Mira") -> Tova,
+    so each query is built from what the previous search returned. Texts are short and regular on
+    purpose: names are two syllables, the phrasings are fixed, so a tiny byte-level model can learn it.
+
+    The search is an exact lookup by entity name (case and surrounding punctuation ignored) returning
+    every fact whose subject is that entity. BM25 would also return facts where the name is the
+    object ("Bino: directed by Mira." for the query "Mira"), and the facts are too short for its
+    ranking to separate them, so one query would no longer be one hop.
+
+    Knobs: `hops` (1-3), `entities_per_type`, and `distractor_facts`, extra facts with other relations
+    ("Kalo: set in Tova.") that a lookup returns next to the fact the question needs. The process
+    reward goes to a search that reveals the next hop's fact."""
+    system_prompt = ("Answer the question. Call search with a name to get its facts, "
+                     "then answer as <answer>name</answer>.")
+
+    def __init__(self, hops=2, entities_per_type=3, distractor_facts=0, **options):
+        assert 1 <= hops <= 3, f"hops must be 1, 2 or 3, got {hops}"
+        assert entities_per_type >= 2, "need at least 2 entities per type, or the question gives its answer away"
+        self.hops, self.entities_per_type, self.distractor_facts = hops, entities_per_type, distractor_facts
+        super().__init__(**options)
+
+    def new_task(self, rng):
+        names = [a.capitalize() + b for a in SYLLABLES for b in SYLLABLES if a != b]  # 380 names
+        chosen = rng.sample(names, len(ENTITY_TYPES) * self.entities_per_type)
+        entities = {kind: chosen[i::len(ENTITY_TYPES)] for i, kind in enumerate(ENTITY_TYPES)}
+        self.facts, next_entity = [], {}
+        for i, relation in enumerate(RELATIONS):  # every film, person and city gets its one chain fact
+            for subject in entities[ENTITY_TYPES[i]]:
+                next_entity[subject] = rng.choice(entities[ENTITY_TYPES[i + 1]])
+                self.facts.append((subject, relation, next_entity[subject]))
+        for _ in range(self.distractor_facts):
+            kind = rng.choice(list(DISTRACTORS))
+            relation, object_kind = DISTRACTORS[kind]
+            subject = rng.choice(entities[kind])
+            self.facts.append((subject, relation, rng.choice([e for e in entities[object_kind] if e != subject])))
+        rng.shuffle(self.facts)  # the order of facts in a lookup must not give the chain fact away
+        start_type = rng.randrange(len(RELATIONS) - self.hops + 1)
+        self.hop_entities = [rng.choice(entities[ENTITY_TYPES[start_type]])]  # the entity searched at each hop
+        for _ in range(self.hops - 1):
+            self.hop_entities.append(next_entity[self.hop_entities[-1]])
+        answer = next_entity[self.hop_entities[-1]]
+        self.chain_facts = [fact_text(entity, RELATIONS[start_type + hop], next_entity[entity])
+                            for hop, entity in enumerate(self.hop_entities)]
+        self.found_facts = set()
+        question = QUESTIONS[start_type, self.hops].format(self.hop_entities[0])
+        return question, [answer], [lookup_tool(self.facts)]
+
+    def is_useful(self, call, output):
+        new_facts = {fact for fact in self.chain_facts if fact in output} - self.found_facts
+        self.found_facts |= new_facts
+        return bool(new_facts)
+
+    def demonstration(self) -> list[str]:
+        """The ideal assistant turns for the current episode (after reset): one search per hop, each
+        query the entity the previous result named, then the answer. For supervised warm-up."""
+        def think(thought):
+            return f"<think>{thought}</think>\n" if self.require_think else ""
+        turns = [think(f"I need the facts about {entity}.") + format_tool_call("search", {"query": entity})
+                 for entity in self.hop_entities]
+        return turns + [think(f"The answer is {self.answers[0]}.") + f"<answer>{self.answers[0]}</answer>"]
+
+
+def fact_text(subject: str, relation: str, obj: str) -> str:
+    """One fact as the search returns it: "Kalo: directed by Mira." """
+    return f"{subject}: {relation} {obj}."
+
+
+def lookup_tool(facts: list[tuple[str, str, str]]) -> tools.Tool:
+    """A "search" tool over (subject, relation, object) facts: the query is an entity name, the
+    result every fact about it, or a short "no facts" message."""
+    def search(query: str) -> str:
+        key = query.strip().strip(string.punctuation + " ").lower()
+        found = [fact_text(*fact) for fact in facts if fact[0].lower() == key]
+        return " ".join(found) if found else f"No facts about {query.strip()}."
+    return tools.Tool(name="search", description="Look up a name; returns the facts about it.",
+                      parameters={"type": "object", "required": ["query"], "properties": {
+                          "query": {"type": "string", "description": "An entity name, e.g. Kalo."}}},
+                      function=search)
+
+# -----------------------------------------------------------------------------
+# Calculator tasks: word problems whose numbers are too large to do in one's head
+
+
+class CalculatorEnv(ToolEnv):
+    """Two-step arithmetic word problems with 3-4 digit numbers and the `calculator` tool. The answer
+    is an integer, scored by exact match (SQuAD normalisation also drops a thousands separator)."""
+    system_prompt = ("Solve the problem. Use the calculator tool for the arithmetic, then give the "
+                     "number as <answer>...</answer>.")
+
+    def new_task(self, rng):
+        kind = rng.randrange(3)
+        if kind == 0:
+            boxes, per_box = rng.randint(100, 999), rng.randint(100, 999)
+            given = rng.randint(100, boxes * per_box - 1)
+            question = (f"A shop has {boxes} boxes of {per_box} nails each and sells {given} nails. "
+                        "How many nails are left?")
+            answer = boxes * per_box - given
+        elif kind == 1:
+            per_hour, hours, days = rng.randint(100, 999), rng.randint(10, 24), rng.randint(10, 99)
+            question = (f"A factory makes {per_hour} bolts an hour, {hours} hours a day, for {days} days. "
+                        "How many bolts does it make?")
+            answer = per_hour * hours * days
+        else:
+            shelves, per_shelf = rng.randint(12, 99), rng.randint(100, 999)
+            bought = rng.randint(100, shelves * per_shelf - 100)
+            question = (f"A library has {shelves * per_shelf - bought} books and buys {bought} more. It puts them "
+                        f"equally on {shelves} shelves. How many books are on each shelf?")
+            answer = per_shelf
+        return question, [str(answer)], [tools.calculator_tool()]
+
+# -----------------------------------------------------------------------------
+# RAGEN's games: the action is a word in <answer>...</answer>, several per turn joined by "||"
+
+
+class GameEnv:
+    """The shared turn logic of the text games. A subclass sets `rules` and `actions` and implements
+    `new_game(rng)`, `move(action) -> (reward, done)` and `render()`; `move` sets self.success.
+    Up to `max_actions_per_turn` actions per turn ("Up || Up || Left") is RAGEN's interaction
+    granularity; later ones are dropped, and a move that ends the game skips the rest. A turn with no
+    <answer>, an unknown action, or (with `require_think`) no leading <think> executes nothing and
+    gets `format_penalty` and an observation saying what was wrong."""
+    rules, actions = "", []
+
+    def __init__(self, max_turns=5, max_actions_per_turn=3, format_penalty=-0.1, require_think=False):
+        assert max_turns >= 1 and max_actions_per_turn >= 1, "max_turns and max_actions_per_turn must be >= 1"
+        self.max_turns, self.max_actions_per_turn = max_turns, max_actions_per_turn
+        self.format_penalty, self.require_think = format_penalty, require_think
+
+    def reset(self, seed: int) -> tuple[list[dict], list[dict]]:
+        """Starts the game for `seed`: (opening messages, no tools)."""
+        self.rng, self.turn, self.done, self.success = random.Random(seed), 0, False, False
+        self.new_game(self.rng)
+        several = f", up to {self.max_actions_per_turn} actions separated by ||" if self.max_actions_per_turn > 1 else ""
+        system = (f"{self.rules} Valid actions: {', '.join(self.actions)}. Reply with <answer>action</answer>{several}."
+                  + (THINK_INSTRUCTION if self.require_think else ""))
+        return [{"role": "system", "content": system}, {"role": "user", "content": self.render()}], []
+
+    def parse_actions(self, text: str) -> tuple[list[str], str | None]:
+        """(the valid actions of a turn, capped, in canonical spelling; or [] and an error message)."""
+        thought_first, action_text = split_thinking(text)
+        answer = extract_answer(action_text)
+        if self.require_think and not thought_first:
+            return [], "Invalid reply: begin with your reasoning in <think>...</think>."
+        if answer is None:
+            return [], f"Invalid reply: give your action as <answer>...</answer>, one of {', '.join(self.actions)}."
+        canonical = {action.lower(): action for action in self.actions}  # actions are case-insensitive
+        words = [word.strip() for word in answer.split("||")][:self.max_actions_per_turn]
+        unknown = [word for word in words if word.lower() not in canonical]
+        if unknown:
+            return [], f"Invalid action {unknown[0]!r}: valid actions are {', '.join(self.actions)}."
+        return [canonical[word.lower()] for word in words], None
+
+    def step(self, assistant_text: str) -> StepResult:
+        """Runs the turn's actions in order; the reward is their sum (or the format penalty)."""
+        assert not self.done, "the episode is over; call reset() for a new one"
+        self.turn += 1
+        actions, error = self.parse_actions(assistant_text)
+        reward, executed = (self.format_penalty if error else 0.0), 0
+        for action in actions:
+            move_reward, self.done = self.move(action)
+            reward, executed = reward + move_reward, executed + 1
+            if self.done:
+                break
+        observation = f"{error}\n{self.render()}" if error else self.render()
+        self.done = self.done or self.turn >= self.max_turns
+        info = {"success": self.success, "tool_calls": 0, "invalid_calls": 0, "format_error": error is not None,
+                "actions": executed}
+        return StepResult([{"role": "user", "content": observation}], reward, self.done, info)
+
+
+def bfs_reachable(start, next_states, is_goal) -> bool:
+    """Breadth-first search: can a state with is_goal(state) be reached from start?"""
+    seen, queue = {start}, deque([start])
+    while queue:
+        state = queue.popleft()
+        if is_goal(state):
+            return True
+        for following in next_states(state):
+            if following not in seen:
+                seen.add(following)
+                queue.append(following)
+    return False
+
+
+SAFE_ARMS = ["Turtle", "Oak", "Anchor", "Pillow"]  # names hint at the risk, as in RAGEN's bandit
+RISKY_ARMS = ["Dragon", "Comet", "Volcano", "Tiger"]
+
+
+class BanditEnv(GameEnv):
+    """Two-armed bandit, one turn. The safe arm always pays `safe_reward` (0.1); the risky arm pays
+    `risky_reward` (1.0) with probability `risky_probability` (0.25): worth 0.25 in expectation, so
+    it is the better arm. Arm names and their order are drawn from the seed; success means the risky
+    arm was picked. The risky arm's coin also comes from the seed, so a GRPO group that shares a seed
+    shares one coin: then std-normalised advantages see the risky arm lose in 3 groups out of 4 and
+    learn the safe arm (only the sign survives normalisation). Give each group member its own
+    `payout_seed` (independent coins) or use mean-centred advantages (Dr. GRPO); the tests check both."""
+    rules = "Two slot machines: one pays a little every time, the other pays a lot but rarely. Pull one arm."
+
+    def __init__(self, safe_reward=0.1, risky_reward=1.0, risky_probability=0.25, payout_seed=None,
+                 max_turns=1, max_actions_per_turn=1, **options):
+        self.safe_reward, self.risky_reward, self.risky_probability = safe_reward, risky_reward, risky_probability
+        self.payout_seed = payout_seed
+        super().__init__(max_turns=max_turns, max_actions_per_turn=max_actions_per_turn, **options)
+
+    def new_game(self, rng):
+        self.safe_arm, self.risky_arm = rng.choice(SAFE_ARMS), rng.choice(RISKY_ARMS)
+        self.actions = rng.sample([self.safe_arm, self.risky_arm], 2)
+        coin = rng.random() if self.payout_seed is None else random.Random(self.payout_seed).random()
+        self.risky_pays = coin < self.risky_probability
+
+    def move(self, action):
+        self.success = action == self.risky_arm
+        if self.success:
+            return (self.risky_reward if self.risky_pays else 0.0), True
+        return self.safe_reward, True
+
+    def render(self):
+        return f"Arms: {self.actions[0]}, {self.actions[1]}. Which arm do you pull?"
+
+
+MOVES = {"Up": (-1, 0), "Down": (1, 0), "Left": (0, -1), "Right": (0, 1)}  # (row, column) deltas
+PERPENDICULAR = {"Up": ("Left", "Right"), "Down": ("Left", "Right"), "Left": ("Up", "Down"), "Right": ("Up", "Down")}
+
+
+def shifted(cell, action):
+    """The cell one move away from `cell`."""
+    return cell[0] + MOVES[action][0], cell[1] + MOVES[action][1]
+
+
+class FrozenLakeEnv(GameEnv):
+    """Walk from the start to the goal without falling into a hole. Maps are random per seed (each
+    cell but start and goal is a hole with `hole_probability`) and redrawn until a path exists.
+    Walking into the edge leaves you in place. With `slippery=True` the intended move happens with
+    p = 1/3, else one of the two perpendicular moves (1/3 each), as in Gym's FrozenLake. Reward 1 on
+    reaching the goal; a hole ends the episode with 0."""
+    rules = "FrozenLake: you are P; walk to the goal G over the ice _ without stepping into a hole O."
+    actions = ["Left", "Down", "Right", "Up"]
+
+    def __init__(self, size=4, hole_probability=0.2, slippery=False, **options):
+        self.size, self.hole_probability, self.slippery = size, hole_probability, slippery
+        super().__init__(**options)
+
+    def neighbours(self, cell):
+        """Cells one deterministic move away, holes excluded (for the solvability check)."""
+        return [c for c in (self.clamp(shifted(cell, action)) for action in MOVES) if c not in self.holes]
+
+    def clamp(self, cell):
+        return min(max(cell[0], 0), self.size - 1), min(max(cell[1], 0), self.size - 1)
+
+    def new_game(self, rng):
+        cells = [(row, column) for row in range(self.size) for column in range(self.size)]
+        while True:
+            self.start, self.goal = rng.sample(cells, 2)
+            self.holes = {c for c in cells if c not in (self.start, self.goal) and rng.random() < self.hole_probability}
+            if bfs_reachable(self.start, self.neighbours, lambda cell: cell == self.goal):
+                break
+        self.player = self.start
+
+    def move(self, action):
+        if self.slippery:
+            action = self.rng.choice([action, *PERPENDICULAR[action]])
+        self.player = self.clamp(shifted(self.player, action))
+        self.success = self.player == self.goal
+        return float(self.success), self.success or self.player in self.holes
+
+    def render(self):
+        def symbol(cell):
+            return "P" if cell == self.player else "G" if cell == self.goal else "O" if cell in self.holes else "_"
+        return "\n".join("".join(symbol((row, column)) for column in range(self.size)) for row in range(self.size))
+
+
+class SokobanEnv(GameEnv):
+    """Push the one box onto the target in a walled size x size room with `interior_walls` extra
+    walls. Levels are random per seed and redrawn until a breadth-first search over (player, box)
+    states proves them solvable, with the box not already on the target. Rewards (gym-sokoban's, as
+    in RAGEN): `step_reward` -0.1 per move (a bump into a wall too), `box_on_target_reward` +1 and
+    `solved_reward` +10 when the box lands on the target, which with one box also ends the game (so
+    the -1 for pushing a box off a target never arises here)."""
+    rules = ("Sokoban: you are P; push the box X onto the target O. # is a wall, _ is floor. You can push the "
+             "box but not pull it. * is the box on the target, + is you on the target.")
+    actions = ["Up", "Down", "Left", "Right"]
+
+    def __init__(self, size=6, interior_walls=2, step_reward=-0.1, box_on_target_reward=1.0,
+                 solved_reward=10.0, max_turns=10, **options):
+        self.size, self.interior_walls = size, interior_walls
+        self.step_reward, self.solved_reward = step_reward, solved_reward
+        self.box_on_target_reward = box_on_target_reward
+        super().__init__(max_turns=max_turns, **options)
+
+    def transition(self, player, box, action):
+        """(player, box) after one move: a wall stops you, a box moves if the cell beyond it is free."""
+        ahead = shifted(player, action)
+        if ahead in self.walls:
+            return player, box
+        if ahead == box:
+            beyond = shifted(box, action)
+            return (player, box) if beyond in self.walls else (ahead, beyond)
+        return ahead, box
+
+    def new_game(self, rng):
+        edges = (0, self.size - 1)
+        border = {(r, c) for r in range(self.size) for c in range(self.size) if r in edges or c in edges}
+        interior = [(r, c) for r in range(1, self.size - 1) for c in range(1, self.size - 1)]
+        while True:
+            cells = rng.sample(interior, self.interior_walls + 3)
+            self.walls = border | set(cells[3:])
+            self.player, self.box, self.target = cells[:3]
+            if bfs_reachable((self.player, self.box), lambda s: {self.transition(*s, a) for a in self.actions},
+                             lambda s: s[1] == self.target):
+                break
+
+    def move(self, action):
+        self.player, box = self.transition(self.player, self.box, action)
+        pushed_on = box != self.box and box == self.target
+        self.box, self.success = box, box == self.target
+        return self.step_reward + pushed_on * (self.box_on_target_reward + self.solved_reward), self.success
+
+    def render(self):
+        def symbol(cell):
+            if cell in self.walls:
+                return "#"
+            if cell == self.box:
+                return "*" if cell == self.target else "X"
+            if cell == self.player:
+                return "+" if cell == self.target else "P"
+            return "O" if cell == self.target else "_"
+        return "\n".join("".join(symbol((r, c)) for c in range(self.size)) for r in range(self.size))
+
+
+ENVS = {"search_qa": SearchQAEnv, "synthetic_qa": SyntheticQAEnv, "calculator": CalculatorEnv,
+        "bandit": BanditEnv, "frozen_lake": FrozenLakeEnv, "sokoban": SokobanEnv}

@@ -1,0 +1,507 @@
+"""Tests for envs.py: hand-worked transitions, reward sums, format penalties, solvability by an
+independent BFS, slip frequencies, answer normalisation, and the dataset loaders on shipped samples."""
+import re
+from collections import Counter, deque
+from pathlib import Path
+
+import pytest
+
+import envs
+import tools
+
+DATA = Path(__file__).parent / "data"
+
+
+def search_call(query):
+    return envs.format_tool_call("search", {"query": query})
+
+# -----------------------------------------------------------------------------
+# Answer scoring
+
+
+def test_normalize_answer_follows_squad():
+    assert envs.normalize_answer("The  Danube!") == "danube"
+    assert envs.normalize_answer("An apple, a day") == "apple day"
+    assert envs.normalize_answer("Theory of the Leisure Class") == "theory of leisure class"  # "the" only as a word
+    assert envs.normalize_answer("12,345") == "12345"
+
+
+def test_exact_match_f1_and_substring_scores():
+    assert envs.exact_match("the Danube", ["Danube"]) == 1.0
+    assert envs.exact_match("Danube river", ["Danube"]) == 0.0
+    assert envs.exact_match("sol", ["Peruvian sol", "sol"]) == 1.0  # any alias counts
+    assert envs.f1_score("Peruvian sol currency", ["Peruvian sol"]) == pytest.approx(0.8)  # p = 2/3, r = 1
+    assert envs.f1_score("sol", ["Peruvian sol", "boliviano"]) == pytest.approx(2 / 3)  # p = 1, r = 1/2
+    assert envs.f1_score("Rhine", ["Danube"]) == 0.0
+    assert envs.substring_match("it is the Danube river", ["Danube"]) == 1.0
+    assert envs.substring_match("10", ["1"]) == 0.0  # whole words only
+
+
+def test_eval_seeds_are_disjoint_from_training_seeds():
+    assert list(envs.eval_seeds(3)) == [10_000_000, 10_000_001, 10_000_002]
+    assert envs.EVAL_SEED_START == 10_000_000
+
+# -----------------------------------------------------------------------------
+# Synthetic multi-hop QA
+
+
+def test_synthetic_two_hop_question_solved_by_two_searches():
+    env = envs.SyntheticQAEnv(hops=2)
+    messages, tool_schemas = env.reset(3)
+    assert [m["role"] for m in messages] == ["system", "user"]
+    assert messages[1]["content"] == "Where was the director of Taga born?"
+    assert [schema["function"]["name"] for schema in tool_schemas] == ["search"]
+    first = env.step(search_call("Taga"))
+    assert first.observations == [{"role": "tool", "content": "Taga: directed by Lota."}]
+    assert (first.reward, first.done, first.info["tool_calls"], first.info["success"]) == (0.0, False, 1, False)
+    second = env.step(search_call("lota"))  # the lookup ignores case
+    assert second.observations == [{"role": "tool", "content": "Lota: born in Mosu."}]
+    final = env.step("<answer>Mosu</answer>")
+    assert final.observations == [] and final.done and final.reward == 1.0
+    assert final.info["success"] and final.info["em"] == 1.0 and final.info["answer"] == "Mosu"
+
+
+def test_synthetic_chain_followed_by_reading_observations_only():
+    """Follow the chain the way a model must: each query is the object of the previous result."""
+    for seed in range(30):
+        env = envs.SyntheticQAEnv(hops=3)
+        messages, _ = env.reset(seed)
+        question = messages[1]["content"]
+        assert question.startswith("In which country was the director of ")
+        entity = question.split()[-2]  # "... of Kalo born?" -> "Kalo"
+        for relation in ["directed by", "born in", "located in"]:
+            (observation,) = env.step(search_call(entity)).observations
+            match = re.fullmatch(rf"{entity}: {relation} ([A-Z][a-z]+)\.", observation["content"])
+            assert match, observation
+            entity = match.group(1)
+        assert env.step(f"<answer>{entity}</answer>").info["success"]
+
+
+def test_synthetic_demonstration_solves_every_episode():
+    for hops in (1, 2, 3):
+        for seed in range(40):
+            env = envs.SyntheticQAEnv(hops=hops, distractor_facts=4)
+            env.reset(seed)
+            turns = env.demonstration()
+            assert len(turns) == hops + 1
+            results = [env.step(turn) for turn in turns]
+            assert results[-1].done and results[-1].info["success"]
+            assert sum(r.reward for r in results) == 1.0
+
+
+def test_synthetic_names_are_short_made_up_words_and_kb_changes_with_seed():
+    syllable = "(" + "|".join(envs.SYLLABLES) + ")"
+    env = envs.SyntheticQAEnv(entities_per_type=4, distractor_facts=3)
+    env.reset(0)
+    names = {name for subject, _, obj in env.facts for name in (subject, obj)}
+    assert 12 < len(names) <= 16  # 4 films, persons and cities are subjects; the 4 countries may not all be named
+    assert all(re.fullmatch(syllable * 2, name.lower()) and name[0].isupper() for name in names)
+    assert len(env.facts) == 3 * 4 + 3  # one chain fact per film, person and city, plus distractors
+    other = envs.SyntheticQAEnv(entities_per_type=4, distractor_facts=3)
+    other.reset(1)
+    assert other.facts != env.facts
+    again = envs.SyntheticQAEnv(entities_per_type=4, distractor_facts=3)
+    assert again.reset(0) == env.reset(0) and again.facts == env.facts  # deterministic given the seed
+
+
+def test_distractor_facts_come_back_with_the_chain_fact():
+    env = envs.SyntheticQAEnv(hops=1, entities_per_type=2, distractor_facts=30)
+    env.reset(5)
+    (observation,) = env.step(search_call(env.hop_entities[0])).observations
+    assert env.chain_facts[0] in observation["content"] and len(observation["content"]) > len(env.chain_facts[0])
+
+
+def test_reward_accounting_with_process_and_format_rewards():
+    env = envs.SyntheticQAEnv(hops=2, process_reward=0.2, format_reward=0.05, max_turns=6)
+    env.reset(3)  # Where was the director of Taga born? Taga -> Lota -> Mosu
+    rewards = [env.step(search_call("Taga")).reward,   # new hop fact: 0.05 + 0.2
+               env.step(search_call("Taga")).reward,   # repeated call: 0.05
+               env.step("I am not sure.").reward,      # no action: -0.1
+               env.step(search_call("Zuzu")).reward,   # no such entity: well-formed, useless: 0.05
+               env.step(search_call("Lota")).reward]   # second hop fact: 0.05 + 0.2
+    final = env.step("<answer>mosu</answer>")          # correct: 1 + 0.05
+    assert rewards == pytest.approx([0.25, 0.05, -0.1, 0.05, 0.25])
+    assert final.reward == pytest.approx(1.05) and final.done
+    assert sum(rewards) + final.reward == pytest.approx(1.55)
+
+
+def test_wrong_answer_ends_episode_without_outcome_reward():
+    env = envs.SyntheticQAEnv(format_reward=0.05)
+    env.reset(3)
+    result = env.step("<answer>Lota</answer>")
+    assert result.done and not result.info["success"]
+    assert result.reward == pytest.approx(0.05) and result.info["em"] == 0.0
+
+
+def test_turn_without_action_gets_format_penalty_and_explanation():
+    env = envs.SyntheticQAEnv()
+    env.reset(0)
+    result = env.step("The answer must be somewhere.")
+    assert result.reward == -0.1 and result.info["format_error"] and not result.done
+    (observation,) = result.observations
+    assert observation["role"] == "user"
+    assert "<tool_call>" in observation["content"] and "<answer>" in observation["content"]
+
+
+def test_invalid_tool_calls_are_counted_and_explained():
+    env = envs.SyntheticQAEnv()
+    env.reset(0)
+    bad_argument = '<tool_call>\n{"name": "search", "arguments": {"q": "Felo"}}\n</tool_call>'
+    result = env.step(bad_argument + "\n<tool_call>{not json}</tool_call>")
+    assert result.info["tool_calls"] == 2 and result.info["invalid_calls"] == 2 and result.info["format_error"]
+    assert result.reward == -0.1
+    assert [o["role"] for o in result.observations] == ["tool", "tool"]
+    assert all(o["content"].startswith("Error:") for o in result.observations)
+    # One valid call among invalid ones makes a well-formed turn.
+    mixed = env.step(bad_argument + "\n" + search_call("Felo"))
+    assert mixed.info["invalid_calls"] == 1 and not mixed.info["format_error"] and mixed.reward == 0.0
+
+
+def test_max_turns_ends_the_episode():
+    env = envs.SyntheticQAEnv(max_turns=2)
+    env.reset(3)
+    assert not env.step(search_call("Taga")).done
+    last = env.step(search_call("Lota"))
+    assert last.done and last.reward == 0.0 and not last.info["success"]
+    with pytest.raises(AssertionError):
+        env.step("<answer>Mosu</answer>")
+
+
+def test_require_think_format():
+    env = envs.SyntheticQAEnv(require_think=True)
+    messages, _ = env.reset(3)
+    assert "<think>" in messages[0]["content"]
+    result = env.step(search_call("Taga"))  # no thinking first
+    assert result.info["format_error"] and result.reward == -0.1 and result.info["tool_calls"] == 0
+    assert "<think>" in result.observations[0]["content"]
+    turns = env.demonstration()
+    assert all(turn.startswith("<think>") for turn in turns)
+    assert [env.step(turn).reward for turn in turns][-1] == 1.0
+
+
+def test_actions_inside_thinking_do_not_count():
+    env = envs.SyntheticQAEnv()
+    env.reset(3)
+    result = env.step("<think>maybe <answer>Mosu</answer>?</think> I should check first.")
+    assert result.info["format_error"] and not result.done and result.info["answer"] is None
+
+# -----------------------------------------------------------------------------
+# Search QA and the dataset loaders
+
+
+def test_loaders_read_the_shipped_samples():
+    hotpot = envs.load_qa_dataset(str(DATA / "hotpotqa_sample.jsonl"))
+    assert len(hotpot) == 2
+    assert hotpot[0] == {
+        "id": "hp-sample-1", "question": "Which river flows through the capital of Austria?", "answers": ["Danube"],
+        "paragraphs": [
+            {"title": "Austria", "text": "Austria is a landlocked country in Central Europe. Its capital and largest city is Vienna."},
+            {"title": "Vienna", "text": "Vienna is the largest city of Austria. The city lies on both banks of the Danube."},
+            {"title": "Budapest", "text": "Budapest is the capital of Hungary. It is also built on the Danube."},
+            {"title": "Rhine", "text": "The Rhine is a river that rises in the Swiss Alps. It flows into the North Sea."}],
+        "supporting_titles": ["Austria", "Vienna"]}
+    wiki = envs.load_qa_dataset(str(DATA / "2wikimultihopqa_sample.json"))
+    assert [row["id"] for row in wiki] == ["2wiki-sample-1", "2wiki-sample-2"]
+    assert wiki[0]["answers"] == ["Greta Marten"] and wiki[0]["supporting_titles"] == ["Quiet Harbour", "Ilse Marten"]
+    assert wiki[0]["paragraphs"][0] == {"title": "Quiet Harbour", "text": "Quiet Harbour is a 1961 drama film. It was directed by Ilse Marten."}
+    musique = envs.load_qa_dataset(str(DATA / "musique_sample.jsonl"), limit=1)
+    assert len(musique) == 1
+    assert musique[0]["answers"] == ["Peruvian sol", "sol", "PEN"] and musique[0]["supporting_titles"] == ["Puno", "Peru"]
+    assert musique[0]["paragraphs"][2] == {"title": "Bolivia", "text": "Bolivia shares Lake Titicaca with Peru. Its currency is the boliviano."}
+
+
+def test_parquet_and_dict_layout_2wiki_rows(tmp_path):
+    import datasets
+    path = tmp_path / "hotpot.parquet"
+    datasets.load_dataset("json", data_files=str(DATA / "hotpotqa_sample.jsonl"), split="train").to_parquet(str(path))
+    assert envs.load_qa_dataset(str(path)) == envs.load_qa_dataset(str(DATA / "hotpotqa_sample.jsonl"))
+    hf_2wiki_row = {"_id": "x", "question": "Q?", "answer": "A", "type": "comparison",
+                    "context": {"title": ["T1", "T2"], "content": [["One.", "Two."], ["Three."]]},
+                    "supporting_facts": {"title": ["T2"], "sent_id": [0]}, "evidences": {"fact": [], "relation": [], "entity": []}}
+    assert envs.normalize_qa_row(hf_2wiki_row) == {
+        "id": "x", "question": "Q?", "answers": ["A"], "supporting_titles": ["T2"],
+        "paragraphs": [{"title": "T1", "text": "One. Two."}, {"title": "T2", "text": "Three."}]}
+
+
+def test_search_qa_episode_with_process_reward():
+    rows = envs.load_qa_dataset(str(DATA / "hotpotqa_sample.jsonl"))
+    env = envs.SearchQAEnv(rows, process_reward=0.1, top_k=2)
+    messages, tool_schemas = env.reset(0)  # seed i is row i
+    assert messages[1]["content"] == rows[0]["question"] and tool_schemas[0]["function"]["name"] == "search"
+    found = env.step(search_call("capital of Austria"))
+    assert "Vienna" in found.observations[0]["content"] and found.reward == pytest.approx(0.1)
+    nothing_new = env.step(search_call("Austria capital city Vienna"))  # same gold passages again
+    assert nothing_new.reward == 0.0
+    final = env.step("<answer>the Danube</answer>")
+    assert final.done and final.info["success"] and final.reward == 1.0
+    assert envs.SearchQAEnv(rows).reset(3)[0][1]["content"] == rows[1]["question"]
+
+
+def test_search_qa_from_a_path_with_a_shared_corpus():
+    rows = envs.load_qa_dataset(str(DATA / "2wikimultihopqa_sample.json"))
+    corpus = envs.corpus_from_rows(rows)
+    assert len(corpus) == 3  # the two rows share the two Harbour paragraphs
+    env = envs.SearchQAEnv(str(DATA / "2wikimultihopqa_sample.json"), search=tools.search_tool(corpus, top_k=1))
+    env.reset(0)
+    assert "Ilse Marten" in env.step(search_call("director of Quiet Harbour")).observations[0]["content"]
+    result = env.step("<answer>Greta</answer>")
+    assert result.info["em"] == 0.0 and result.info["f1"] == pytest.approx(2 / 3) and result.reward == 0.0
+
+# -----------------------------------------------------------------------------
+# Calculator tasks
+
+
+def test_calculator_questions_have_the_right_answers():
+    """An independent reading of each template's numbers."""
+    for seed in range(200):
+        env = envs.CalculatorEnv()
+        messages, _ = env.reset(seed)
+        question = messages[1]["content"]
+        numbers = [int(n) for n in re.findall(r"\d+", question)]
+        if "left" in question:
+            expected = numbers[0] * numbers[1] - numbers[2]
+        elif "bolts" in question:
+            expected = numbers[0] * numbers[1] * numbers[2]
+        else:
+            assert (numbers[0] + numbers[1]) % numbers[2] == 0, question
+            expected = (numbers[0] + numbers[1]) // numbers[2]
+        assert env.answers == [str(expected)] and expected > 0 and max(numbers) >= 100
+
+
+def test_calculator_episode():
+    env = envs.CalculatorEnv()
+    messages, tool_schemas = env.reset(1)
+    assert tool_schemas == [tools.calculator_tool().schema()]
+    numbers = re.findall(r"\d+", messages[1]["content"])
+    result = env.step(envs.format_tool_call("calculator", {"expression": " * ".join(numbers)}))
+    assert result.observations[0]["role"] == "tool" and result.reward == 0.0
+    wrong = env.step(f"<answer>{result.observations[0]['content']}</answer>")
+    assert wrong.done and wrong.reward == float(wrong.info["success"])
+
+# -----------------------------------------------------------------------------
+# RAGEN's games
+
+
+def test_bandit_rewards_and_success():
+    orders, safe_rewards, risky_wins = set(), set(), []
+    for seed in range(3000):
+        env = envs.BanditEnv()
+        messages, tools_given = env.reset(seed)
+        assert tools_given == []
+        arms = re.fullmatch(r"Arms: (\w+), (\w+)\. Which arm do you pull\?", messages[1]["content"]).groups()
+        risky = next(arm for arm in arms if arm in envs.RISKY_ARMS)
+        safe = next(arm for arm in arms if arm in envs.SAFE_ARMS)
+        orders.add(arms.index(risky))
+        pick = risky if seed % 2 else safe.lower()  # names are case-insensitive
+        result = env.step(f"<answer>{pick}</answer>")
+        assert result.done and result.info["success"] == (pick == risky)
+        if pick == risky:
+            risky_wins.append(result.reward)
+        else:
+            safe_rewards.add(result.reward)
+    assert orders == {0, 1} and safe_rewards == {0.1}
+    assert set(risky_wins) == {0.0, 1.0}
+    assert sum(risky_wins) / len(risky_wins) == pytest.approx(0.25, abs=0.03)  # 1500 draws: std 0.011
+
+
+def test_bandit_advantages_prefer_the_risky_arm_with_independent_coins():
+    """GRPO groups of 16 share a seed, 8 members pull each arm; the mean advantage of the risky pulls
+    is the direction GRPO moves the policy. With one coin per group std-normalised advantages favour
+    the safe arm; with a payout_seed per member, or with mean-centred advantages, the risky arm wins."""
+    def mean_risky_advantage(per_member_coin, scale_by_std):
+        advantages = []
+        for group in range(300):
+            rewards = []
+            for member in range(16):
+                env = envs.BanditEnv(payout_seed=group * 16 + member if per_member_coin else None)
+                env.reset(group)
+                rewards.append(env.step(f"<answer>{env.risky_arm if member < 8 else env.safe_arm}</answer>").reward)
+            mean = sum(rewards) / 16
+            std = (sum((r - mean) ** 2 for r in rewards) / 15) ** 0.5 if scale_by_std else 1.0
+            advantages += [(r - mean) / (std + 1e-6) for r in rewards[:8]]
+        return sum(advantages) / len(advantages)
+    assert mean_risky_advantage(per_member_coin=False, scale_by_std=True) < -0.3  # about -0.48
+    assert mean_risky_advantage(per_member_coin=True, scale_by_std=True) > 0.05  # about +0.12
+    assert mean_risky_advantage(per_member_coin=False, scale_by_std=False) > 0.02  # about +0.075, noisy
+    assert mean_risky_advantage(per_member_coin=True, scale_by_std=False) > 0.04  # about +0.075
+
+
+def test_bandit_unknown_arm_is_a_format_error():
+    env = envs.BanditEnv()
+    messages, _ = env.reset(0)
+    result = env.step("<answer>Horse</answer>")
+    assert result.done and result.reward == -0.1 and result.info["format_error"] and not result.info["success"]
+    assert "Horse" in result.observations[0]["content"] and all(arm in result.observations[0]["content"] for arm in env.actions)
+
+
+def set_lake(env, text):
+    """Replaces the generated FrozenLake map by a hand-drawn one."""
+    rows = text.split()
+    env.size = len(rows)
+    cells = {(r, c): char for r, row in enumerate(rows) for c, char in enumerate(row)}
+    env.player = next(cell for cell, char in cells.items() if char == "P")
+    env.goal = next(cell for cell, char in cells.items() if char == "G")
+    env.holes = {cell for cell, char in cells.items() if char == "O"}
+
+
+def test_frozen_lake_path_to_the_goal():
+    env = envs.FrozenLakeEnv()
+    env.reset(0)
+    set_lake(env, "P___ _O_O ___O O__G")
+    bump = env.step("<answer>Up</answer>")  # the edge: stay in place
+    assert bump.reward == 0.0 and not bump.done and env.player == (0, 0)
+    first = env.step("<answer>Down || Down || right</answer>")
+    assert first.observations[0]["content"] == "____\n_O_O\n_P_O\nO__G"
+    assert (first.reward, first.done, first.info["actions"]) == (0.0, False, 3)
+    second = env.step("<answer>Right || Down || Right</answer>")
+    assert second.reward == 1.0 and second.done and second.info["success"]
+
+
+def test_frozen_lake_hole_ends_the_episode_and_skips_later_actions():
+    env = envs.FrozenLakeEnv(max_actions_per_turn=2)
+    env.reset(0)
+    set_lake(env, "_P__ _O_O ___O O__G")
+    result = env.step("<answer>Down || Right || Right</answer>")
+    assert result.done and result.reward == 0.0 and not result.info["success"] and result.info["actions"] == 1
+
+
+def test_frozen_lake_action_cap_and_max_turns():
+    env = envs.FrozenLakeEnv(max_turns=2, max_actions_per_turn=2)
+    env.reset(0)
+    set_lake(env, "P___ ____ ____ ___G")
+    result = env.step("<answer>Right || Right || Right</answer>")
+    assert result.info["actions"] == 2 and env.player == (0, 2) and not result.done
+    malformed = env.step("Right")
+    assert malformed.done and malformed.reward == -0.1 and malformed.info["format_error"]
+    assert "<answer>" in malformed.observations[0]["content"] and env.player == (0, 2)
+
+
+def test_frozen_lake_slip_frequencies():
+    displacements = Counter()
+    for seed in range(3000):
+        env = envs.FrozenLakeEnv(slippery=True)
+        env.reset(seed)
+        set_lake(env, "____ _P__ ____ ___G")
+        env.step("<answer>Down</answer>")
+        displacements[env.player[0] - 1, env.player[1] - 1] += 1
+    assert set(displacements) == {(1, 0), (0, -1), (0, 1)}  # down, or a slip left or right; never up
+    for count in displacements.values():
+        assert count / 3000 == pytest.approx(1 / 3, abs=0.04)
+
+
+def grid_bfs(start, moves, is_goal):
+    """Reference breadth-first search written for the tests."""
+    queue, seen = deque([start]), {start}
+    while queue:
+        state = queue.popleft()
+        if is_goal(state):
+            return True
+        for following in moves(state):
+            if following not in seen:
+                seen.add(following)
+                queue.append(following)
+    return False
+
+
+def parse_grid(text):
+    return {(r, c): char for r, row in enumerate(text.split("\n")) for c, char in enumerate(row)}
+
+
+def test_every_frozen_lake_map_is_solvable():
+    for size, seeds in ((4, range(300)), (6, range(50))):
+        for seed in seeds:
+            env = envs.FrozenLakeEnv(size=size, hole_probability=0.4)
+            messages, _ = env.reset(seed)
+            grid = parse_grid(messages[1]["content"])
+            assert len(grid) == size * size and Counter(grid.values())["P"] == 1 and Counter(grid.values())["G"] == 1
+            start = next(cell for cell, char in grid.items() if char == "P")
+            moves = lambda cell: [(cell[0] + dr, cell[1] + dc) for dr, dc in ((0, 1), (0, -1), (1, 0), (-1, 0))
+                                  if grid.get((cell[0] + dr, cell[1] + dc), "O") != "O"]
+            assert grid_bfs(start, moves, lambda cell: grid[cell] == "G"), messages[1]["content"]
+
+
+def test_every_sokoban_level_is_solvable():
+    for seed in range(300):
+        env = envs.SokobanEnv()
+        messages, _ = env.reset(seed)
+        grid = parse_grid(messages[1]["content"])
+        counts = Counter(grid.values())
+        assert len(grid) == 36 and counts["P"] == counts["X"] == counts["O"] == 1 and counts["*"] == 0
+        player, box, target = (next(cell for cell, char in grid.items() if char == symbol) for symbol in "PXO")
+
+        def moves(state):
+            player, box = state
+            for dr, dc in ((0, 1), (0, -1), (1, 0), (-1, 0)):
+                ahead = (player[0] + dr, player[1] + dc)
+                if grid[ahead] == "#":
+                    continue
+                if ahead != box:
+                    yield ahead, box
+                elif grid[(box[0] + dr, box[1] + dc)] != "#":
+                    yield ahead, (box[0] + dr, box[1] + dc)
+        assert grid_bfs((player, box), moves, lambda state: state[1] == target), messages[1]["content"]
+
+
+def test_sokoban_push_sequence_and_wall_bump():
+    env = envs.SokobanEnv()
+    env.reset(0)
+    level = parse_grid("######\n#P___#\n#_X__#\n#_#__#\n#__O_#\n######")
+    env.walls = {cell for cell, char in level.items() if char == "#"}
+    env.player, env.box, env.target = (1, 1), (2, 2), (4, 3)
+    rewards = [env.step("<answer>Up</answer>").reward]  # wall bump: still a move
+    assert env.player == (1, 1)
+    rewards.append(env.step("<answer>Right || Down</answer>").reward)  # the box cannot go into the wall below it
+    assert (env.player, env.box) == ((1, 2), (2, 2))
+    step = env.step("<answer>Left || Down || Right</answer>")  # push the box right
+    rewards.append(step.reward)
+    assert step.observations[0]["content"] == "######\n#____#\n#_PX_#\n#_#__#\n#__O_#\n######"
+    rewards.append(env.step("<answer>Up || Right || Down</answer>").reward)  # push it down
+    assert (env.player, env.box) == ((2, 3), (3, 3))
+    last = env.step("<answer>Down || Up</answer>")  # onto the target: the game ends, "Up" is skipped
+    rewards.append(last.reward)
+    assert last.done and last.info["success"] and last.info["actions"] == 1
+    assert last.observations[0]["content"] == "######\n#____#\n#____#\n#_#P_#\n#__*_#\n######"
+    assert rewards == pytest.approx([-0.1, -0.2, -0.3, -0.3, 10.9])
+    assert sum(rewards) == pytest.approx(10.0)
+
+
+def test_games_are_deterministic_and_require_think_works():
+    for env_class in (envs.FrozenLakeEnv, envs.SokobanEnv, envs.BanditEnv):
+        assert env_class().reset(7) == env_class().reset(7)
+        assert len({env_class().reset(seed)[0][1]["content"] for seed in range(20)}) > 1
+    env = envs.SokobanEnv(require_think=True)
+    messages, _ = env.reset(0)
+    assert "<think>" in messages[0]["content"]
+    assert env.step("<answer>Up</answer>").info["format_error"]
+    assert not env.step("<think>wall above?</think><answer>Up</answer>").info["format_error"]
+
+
+def test_every_env_speaks_the_interface():
+    rows = envs.load_qa_dataset(str(DATA / "musique_sample.jsonl"))
+    assert set(envs.ENVS) == {"search_qa", "synthetic_qa", "calculator", "bandit", "frozen_lake", "sokoban"}
+    for name, env_class in envs.ENVS.items():
+        env = env_class(rows) if name == "search_qa" else env_class()
+        messages, tool_schemas = env.reset(envs.EVAL_SEED_START)
+        assert [m["role"] for m in messages] == ["system", "user"] and isinstance(tool_schemas, list)
+        result = env.step("no idea")
+        assert isinstance(result, envs.StepResult) and result.reward == -0.1
+        assert {"success", "tool_calls", "invalid_calls", "format_error"} <= set(result.info)
+        assert env.max_turns >= 1
+
+# -----------------------------------------------------------------------------
+# The README example for adding an environment, read from README.md and run verbatim
+
+
+def readme_example():
+    readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
+    section = readme[readme.index("**Adding an environment**"):]
+    return re.search(r"```python\n(.*?)```", section, re.DOTALL).group(1)
+
+
+def test_readme_example_runs(capsys):
+    namespace = {}
+    exec(readme_example(), namespace)
+    result, env = namespace["result"], namespace["env"]
+    assert result.reward == 1.0 and result.done and result.info["success"]
+    assert capsys.readouterr().out.splitlines()[-1] == "1.0 True True"
+    assert env.answers == [str(eval(env.question.removeprefix("What is ").removesuffix("?")))]
