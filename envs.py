@@ -283,8 +283,15 @@ class SearchQAEnv(ToolEnv):
 # -----------------------------------------------------------------------------
 # Synthetic multi-hop QA: the offline task a tiny model learns on a CPU
 
-SYLLABLES = ["ka", "lo", "mi", "ra", "to", "ne", "su", "bi", "da", "ve",
-             "po", "ri", "ga", "fe", "zu", "ta", "mo", "li", "ni", "sa"]
+# Made-up entities get names from this list of short English words, drawn fresh (and wired into fresh
+# relations) for every seed, so nothing about an episode can be memorised. The tiny model's tokenizer
+# (nanoagent/models.py, TINY_CORPUS) has each name as a single token, so copying a name is one step.
+NAMES = ("Amber Aspen Birch Cedar Coral Daisy Delta Ember Fable Fern Flint Frost Gale Grove Hazel Heron "
+         "Iris Ivory Jade Juniper Kestrel Lark Laurel Lotus Maple Marsh Meadow Mint Moss Nova Oak Olive "
+         "Onyx Opal Orchid Pearl Pebble Pine Plum Quartz Raven Reed Ridge Robin Rose Ruby Rust Sage "
+         "Slate Sparrow Spruce Thorn Tide Topaz Vale Willow Wren Zephyr Aurora Basil Clover Dune Echo Finch "
+         "Garnet Harbor Indigo Jasper Lilac Linden Lumen Misty Nectar Orion Poppy Quill Rowan Saffron Sierra "
+         "Tansy Umber Velvet Wisp Yarrow Zinnia Acorn Bramble Cinder Dawn Comet Fjord Glade Moor Tundra").split()
 ENTITY_TYPES = ["film", "person", "city", "country"]  # each type points to the next by one relation:
 RELATIONS = ["directed by", "born in", "located in"]  # film -> person -> city -> country
 QUESTIONS = {(0, 1): "Who directed {}?",  # (type of the start entity, hops) -> question
@@ -300,19 +307,19 @@ class SyntheticQAEnv(ToolEnv):
     """k-hop questions over a knowledge base of made-up entities drawn fresh for every seed, so the
     answer can only be found by searching. A KB with 2 entities per type looks like:
 
-        Kalo: directed by Mira.   Mira: born in Tova.   Tova: located in Suba.   (+ the others' facts)
+        Amber: directed by Heron.   Heron: born in Maple.   Maple: located in Onyx.   (+ the others' facts)
 
-    "Where was the director of Kalo born?" needs search("Kalo") -> Mira, then search("Mira") -> Tova,
+    "Where was the director of Amber born?" needs search("Amber") -> Heron, then search("Heron") -> Maple,
     so each query is built from what the previous search returned. Texts are short and regular on
-    purpose: names are two syllables, the phrasings are fixed, so a tiny byte-level model can learn it.
+    purpose: names are single words, the phrasings are fixed, so a tiny model can learn it.
 
     The search is an exact lookup by entity name (case and surrounding punctuation ignored) returning
     every fact whose subject is that entity. BM25 would also return facts where the name is the
-    object ("Bino: directed by Mira." for the query "Mira"), and the facts are too short for its
+    object ("Cedar: directed by Heron." for the query "Heron"), and the facts are too short for its
     ranking to separate them, so one query would no longer be one hop.
 
     Knobs: `hops` (1-3), `entities_per_type`, and `distractor_facts`, extra facts with other relations
-    ("Kalo: set in Tova.") that a lookup returns next to the fact the question needs. The process
+    ("Amber: set in Maple.") that a lookup returns next to the fact the question needs. The process
     reward goes to a search that reveals the next hop's fact."""
     system_prompt = ("Answer the question. Call search with a name to get its facts, "
                      "then answer as <answer>name</answer>.")
@@ -324,9 +331,9 @@ class SyntheticQAEnv(ToolEnv):
         super().__init__(**options)
 
     def new_task(self, rng):
-        names = [a.capitalize() + b for a in SYLLABLES for b in SYLLABLES if a != b]  # 380 names
-        chosen = rng.sample(names, len(ENTITY_TYPES) * self.entities_per_type)
+        chosen = rng.sample(NAMES, len(ENTITY_TYPES) * self.entities_per_type)
         entities = {kind: chosen[i::len(ENTITY_TYPES)] for i, kind in enumerate(ENTITY_TYPES)}
+        self.kind_of = {entity: group for group in entities.values() for entity in group}  # its entities of that kind
         self.facts, next_entity = [], {}
         for i, relation in enumerate(RELATIONS):  # every film, person and city gets its one chain fact
             for subject in entities[ENTITY_TYPES[i]]:
@@ -343,6 +350,7 @@ class SyntheticQAEnv(ToolEnv):
         for _ in range(self.hops - 1):
             self.hop_entities.append(next_entity[self.hop_entities[-1]])
         answer = next_entity[self.hop_entities[-1]]
+        self.next_entity = next_entity
         self.chain_facts = [fact_text(entity, RELATIONS[start_type + hop], next_entity[entity])
                             for hop, entity in enumerate(self.hop_entities)]
         self.found_facts = set()
@@ -354,18 +362,42 @@ class SyntheticQAEnv(ToolEnv):
         self.found_facts |= new_facts
         return bool(new_facts)
 
-    def demonstration(self) -> list[str]:
-        """The ideal assistant turns for the current episode (after reset): one search per hop, each
-        query the entity the previous result named, then the answer. For supervised warm-up."""
+    def demonstration(self, mistake_rate=0.0, rng=None) -> list[str]:
+        """Assistant turns for the current episode (after reset), for supervised warm-up.
+
+        With mistake_rate 0 they solve it: one search per hop, each query the entity the previous
+        result named, then the answer. Otherwise each decision goes wrong with that probability, the
+        way a weak model goes wrong: search another entity of the same kind, repeat the last query, or
+        answer with the intermediate entity instead of the final one. (Uniform token noise would leave
+        the right entity the most likely choice everywhere: greedy decoding would already be near
+        perfect, and RL would have nothing to learn.)"""
+        rng = rng or random.Random(0)
+
         def think(thought):
             return f"<think>{thought}</think>\n" if self.require_think else ""
-        turns = [think(f"I need the facts about {entity}.") + format_tool_call("search", {"query": entity})
-                 for entity in self.hop_entities]
-        return turns + [think(f"The answer is {self.answers[0]}.") + f"<answer>{self.answers[0]}</answer>"]
+
+        def search(entity):
+            return think(f"I need the facts about {entity}.") + format_tool_call("search", {"query": entity})
+
+        def answer(entity):
+            return think(f"The answer is {entity}.") + f"<answer>{entity}</answer>"
+
+        turns, entity = [], self.hop_entities[0]
+        for hop in range(self.hops):
+            if hop > 0 and rng.random() < mistake_rate:
+                return turns + [answer(entity)]  # stops one hop short: answers the intermediate entity
+            if rng.random() < mistake_rate:
+                if turns and rng.random() < 0.5:
+                    turns.append(turns[-1])  # repeats the last query, wasting a turn
+                else:  # searches another entity of the same kind, and follows the wrong chain from there
+                    entity = rng.choice([other for other in self.kind_of[entity] if other != entity])
+            turns.append(search(entity))
+            entity = self.next_entity[entity]
+        return turns + [answer(entity)]
 
 
 def fact_text(subject: str, relation: str, obj: str) -> str:
-    """One fact as the search returns it: "Kalo: directed by Mira." """
+    """One fact as the search returns it: "Amber: directed by Heron." """
     return f"{subject}: {relation} {obj}."
 
 
@@ -378,7 +410,7 @@ def lookup_tool(facts: list[tuple[str, str, str]]) -> tools.Tool:
         return " ".join(found) if found else f"No facts about {query.strip()}."
     return tools.Tool(name="search", description="Look up a name; returns the facts about it.",
                       parameters={"type": "object", "required": ["query"], "properties": {
-                          "query": {"type": "string", "description": "An entity name, e.g. Kalo."}}},
+                          "query": {"type": "string", "description": "A name."}}},
                       function=search)
 
 # -----------------------------------------------------------------------------

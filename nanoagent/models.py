@@ -19,8 +19,6 @@ policy checkpoint, as Agent-R1 and RAGEN initialise theirs: `load_critic(path)`.
 
 import functools
 import os
-import shutil
-import tempfile
 from pathlib import Path
 
 import torch
@@ -36,6 +34,8 @@ from transformers import (
     Qwen2ForCausalLM,
 )
 from transformers.utils import logging as transformers_logging
+
+from nanoagent.checkpoint import save_atomically
 
 # Qwen2.5's published chat template, verbatim: system block with the tools list, `<tool_call>` JSON in
 # assistant turns, tool results wrapped in `<tool_response>` inside a user turn.
@@ -146,7 +146,7 @@ def qwen25_tokenizer():
     bpe = Tokenizer(models.BPE(vocab=vocab, merges=merges, ignore_merges=True))
     fast = _wrap(_byte_level_pipeline(bpe))
     assert fast.convert_tokens_to_ids("<|endoftext|>") == 151643 and fast.convert_tokens_to_ids("<tool_call>") == 151657
-    _save_atomically(path, fast.save_pretrained)
+    save_atomically(path, fast.save_pretrained)
     return fast
 
 
@@ -180,10 +180,22 @@ TINY_CORPUS = [
     "plus minus times divided sum total each cost costs price apples items buy buys sold has have spent "
     "error invalid unknown tool call expected format please your turn step steps done solved correct wrong",
     "0 1 2 3 4 5 6 7 8 9 10 100 1000 + - * / ( ) = . , ? ! : ; ' \" _ # @ % & [ ] { } | || < >",
+    "Who What Where When Which How In It The No Yes get its about look up returns name names facts fact "
+    "Look Call Use Give Begin every reply reasoning then give product word problem apply",
+    "Who\nWhat\nWhere\nWhen\nWhich\nHow\nIn\nThe\nNo\nYes\nAnswer\nInvalid\nError\n",
 ]
+# Short English words that the synthetic task (envs.py, NAMES) draws its made-up entities from. Each one
+# appears both at the start of a line and after a space, so both forms become single tokens.
+TINY_NAMES = ("Amber Aspen Birch Cedar Coral Daisy Delta Ember Fable Fern Flint Frost Gale Grove Hazel Heron "
+              "Iris Ivory Jade Juniper Kestrel Lark Laurel Lotus Maple Marsh Meadow Mint Moss Nova Oak Olive "
+              "Onyx Opal Orchid Pearl Pebble Pine Plum Quartz Raven Reed Ridge Robin Rose Ruby Rust Sage "
+              "Slate Sparrow Spruce Thorn Tide Topaz Vale Willow Wren Zephyr Aurora Basil Clover Dune Echo Finch "
+              "Garnet Harbor Indigo Jasper Lilac Linden Lumen Misty Nectar Orion Poppy Quill Rowan Saffron Sierra "
+              "Tansy Umber Velvet Wisp Yarrow Zinnia Acorn Bramble Cinder Dawn Comet Fjord Glade Moor Tundra").split()
+TINY_CORPUS += [f"{name}: {name}\n" for name in TINY_NAMES]
 
 
-def tiny_tokenizer(vocab_size=1024):
+def tiny_tokenizer(vocab_size=2048):
     """A small byte-level BPE tokenizer with Qwen2.5's pipeline, special tokens and chat template.
 
     Deterministic: the BPE trainer sees the same corpus every time, so the vocabulary is the same.
@@ -226,21 +238,8 @@ def save_tiny_model(path, seed=0):
     def save(directory):
         model.save_pretrained(directory)
         tokenizer.save_pretrained(directory)
-    _save_atomically(Path(path), save)
+    save_atomically(Path(path), save)
     return Path(path)
-
-
-def _save_atomically(path, save_fn):
-    """Write into a temporary sibling directory, then rename: a crash never leaves a half-written path."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(dir=path.parent, prefix=f".{path.name}.tmp"))
-    try:
-        save_fn(tmp)
-        if path.exists():
-            shutil.rmtree(path)
-        os.replace(tmp, path)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
 
 
 # ----------------------------------------------------------------------------------------------------

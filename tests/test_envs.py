@@ -49,16 +49,16 @@ def test_synthetic_two_hop_question_solved_by_two_searches():
     env = envs.SyntheticQAEnv(hops=2)
     messages, tool_schemas = env.reset(3)
     assert [m["role"] for m in messages] == ["system", "user"]
-    assert messages[1]["content"] == "Where was the director of Taga born?"
+    assert messages[1]["content"] == "Where was the director of Oak born?"
     assert [schema["function"]["name"] for schema in tool_schemas] == ["search"]
-    first = env.step(search_call("Taga"))
-    assert first.observations == [{"role": "tool", "content": "Taga: directed by Lota."}]
+    first = env.step(search_call("Oak"))
+    assert first.observations == [{"role": "tool", "content": "Oak: directed by Fable."}]
     assert (first.reward, first.done, first.info["tool_calls"], first.info["success"]) == (0.0, False, 1, False)
-    second = env.step(search_call("lota"))  # the lookup ignores case
-    assert second.observations == [{"role": "tool", "content": "Lota: born in Mosu."}]
-    final = env.step("<answer>Mosu</answer>")
+    second = env.step(search_call("fable"))  # the lookup ignores case
+    assert second.observations == [{"role": "tool", "content": "Fable: born in Aspen."}]
+    final = env.step("<answer>Aspen</answer>")
     assert final.observations == [] and final.done and final.reward == 1.0
-    assert final.info["success"] and final.info["em"] == 1.0 and final.info["answer"] == "Mosu"
+    assert final.info["success"] and final.info["em"] == 1.0 and final.info["answer"] == "Aspen"
 
 
 def test_synthetic_chain_followed_by_reading_observations_only():
@@ -68,7 +68,7 @@ def test_synthetic_chain_followed_by_reading_observations_only():
         messages, _ = env.reset(seed)
         question = messages[1]["content"]
         assert question.startswith("In which country was the director of ")
-        entity = question.split()[-2]  # "... of Kalo born?" -> "Kalo"
+        entity = question.split()[-2]  # "... of Oak born?" -> "Oak"
         for relation in ["directed by", "born in", "located in"]:
             (observation,) = env.step(search_call(entity)).observations
             match = re.fullmatch(rf"{entity}: {relation} ([A-Z][a-z]+)\.", observation["content"])
@@ -89,13 +89,12 @@ def test_synthetic_demonstration_solves_every_episode():
             assert sum(r.reward for r in results) == 1.0
 
 
-def test_synthetic_names_are_short_made_up_words_and_kb_changes_with_seed():
-    syllable = "(" + "|".join(envs.SYLLABLES) + ")"
+def test_synthetic_names_are_drawn_per_seed_and_kb_changes_with_seed():
     env = envs.SyntheticQAEnv(entities_per_type=4, distractor_facts=3)
     env.reset(0)
     names = {name for subject, _, obj in env.facts for name in (subject, obj)}
     assert 12 < len(names) <= 16  # 4 films, persons and cities are subjects; the 4 countries may not all be named
-    assert all(re.fullmatch(syllable * 2, name.lower()) and name[0].isupper() for name in names)
+    assert names <= set(envs.NAMES) and all(name.isalpha() and name[0].isupper() for name in names)
     assert len(env.facts) == 3 * 4 + 3  # one chain fact per film, person and city, plus distractors
     other = envs.SyntheticQAEnv(entities_per_type=4, distractor_facts=3)
     other.reset(1)
@@ -113,13 +112,13 @@ def test_distractor_facts_come_back_with_the_chain_fact():
 
 def test_reward_accounting_with_process_and_format_rewards():
     env = envs.SyntheticQAEnv(hops=2, process_reward=0.2, format_reward=0.05, max_turns=6)
-    env.reset(3)  # Where was the director of Taga born? Taga -> Lota -> Mosu
-    rewards = [env.step(search_call("Taga")).reward,   # new hop fact: 0.05 + 0.2
-               env.step(search_call("Taga")).reward,   # repeated call: 0.05
+    env.reset(3)  # Where was the director of Oak born? Oak -> Fable -> Aspen
+    rewards = [env.step(search_call("Oak")).reward,   # new hop fact: 0.05 + 0.2
+               env.step(search_call("Oak")).reward,   # repeated call: 0.05
                env.step("I am not sure.").reward,      # no action: -0.1
-               env.step(search_call("Zuzu")).reward,   # no such entity: well-formed, useless: 0.05
-               env.step(search_call("Lota")).reward]   # second hop fact: 0.05 + 0.2
-    final = env.step("<answer>mosu</answer>")          # correct: 1 + 0.05
+               env.step(search_call("Nobody")).reward,   # no such entity: well-formed, useless: 0.05
+               env.step(search_call("Fable")).reward]   # second hop fact: 0.05 + 0.2
+    final = env.step("<answer>aspen</answer>")          # correct: 1 + 0.05
     assert rewards == pytest.approx([0.25, 0.05, -0.1, 0.05, 0.25])
     assert final.reward == pytest.approx(1.05) and final.done
     assert sum(rewards) + final.reward == pytest.approx(1.55)
@@ -128,7 +127,7 @@ def test_reward_accounting_with_process_and_format_rewards():
 def test_wrong_answer_ends_episode_without_outcome_reward():
     env = envs.SyntheticQAEnv(format_reward=0.05)
     env.reset(3)
-    result = env.step("<answer>Lota</answer>")
+    result = env.step("<answer>Fable</answer>")
     assert result.done and not result.info["success"]
     assert result.reward == pytest.approx(0.05) and result.info["em"] == 0.0
 
@@ -160,18 +159,18 @@ def test_invalid_tool_calls_are_counted_and_explained():
 def test_max_turns_ends_the_episode():
     env = envs.SyntheticQAEnv(max_turns=2)
     env.reset(3)
-    assert not env.step(search_call("Taga")).done
-    last = env.step(search_call("Lota"))
+    assert not env.step(search_call("Oak")).done
+    last = env.step(search_call("Fable"))
     assert last.done and last.reward == 0.0 and not last.info["success"]
     with pytest.raises(AssertionError):
-        env.step("<answer>Mosu</answer>")
+        env.step("<answer>Aspen</answer>")
 
 
 def test_require_think_format():
     env = envs.SyntheticQAEnv(require_think=True)
     messages, _ = env.reset(3)
     assert "<think>" in messages[0]["content"]
-    result = env.step(search_call("Taga"))  # no thinking first
+    result = env.step(search_call("Oak"))  # no thinking first
     assert result.info["format_error"] and result.reward == -0.1 and result.info["tool_calls"] == 0
     assert "<think>" in result.observations[0]["content"]
     turns = env.demonstration()
@@ -182,7 +181,7 @@ def test_require_think_format():
 def test_actions_inside_thinking_do_not_count():
     env = envs.SyntheticQAEnv()
     env.reset(3)
-    result = env.step("<think>maybe <answer>Mosu</answer>?</think> I should check first.")
+    result = env.step("<think>maybe <answer>Aspen</answer>?</think> I should check first.")
     assert result.info["format_error"] and not result.done and result.info["answer"] is None
 
 # -----------------------------------------------------------------------------
