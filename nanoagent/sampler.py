@@ -1,0 +1,239 @@
+"""Samplers: turn a batch of token-id prompts into sampled continuations with their log-probs.
+
+rollout.py asks one question per turn: "here are the token ids of every active episode, continue each
+one until it writes a stop token or runs out of room". Two samplers answer it with the same behaviour:
+
+- `TorchSampler`: plain PyTorch on the trainer's own model, CPU or GPU. Every row of the batch goes
+  through one forward per decode step with a KV cache; prompts of different lengths are left-padded,
+  with position ids counted from each row's first real token, so padding changes nothing a row sees.
+  A row that finishes is dropped from the batch and the cache. This is what the tests and CPU runs use.
+- `VLLMSampler`: a vLLM engine colocated with the trainer on each GPU, for real models. The trainer's
+  weights are pushed into it after every update.
+
+Token in, token out: prompts are token ids and so are the results. Nothing is decoded and re-encoded
+here, because a re-tokenized sample is not the sample the log-probs belong to (rollout.py explains).
+
+Log-prob convention. Each sampled token comes with log softmax(logits / temperature)[token]: the
+temperature is applied, top-p truncation is not. That is the number the trainer recomputes from its own
+forward pass (log_softmax(logits / T)), so the two can be compared token by token. Greedy decoding
+(temperature 0) reports the temperature-1 log-prob. `logprob_mismatch` is the per-step canary: if the
+sampler's and the trainer's log-probs of the same tokens drift apart, the sampler is running stale
+weights (or a different dtype/kernel); it should sit near 0 (float32) or ~1e-2 (bf16).
+
+Seeds. `seed` is one int or one int per row. Each row draws its random numbers from its own
+torch.Generator, so a row's tokens depend on its own seed only, never on which other rows share the batch.
+"""
+
+import os
+from dataclasses import dataclass
+
+import torch
+from transformers import DynamicCache
+
+
+@dataclass
+class Generation:
+    token_ids: list[int]  # sampled tokens, ending with the stop token when finish_reason is "stop"
+    logprobs: list[float]  # log softmax(logits / T) of each sampled token (see the module docstring)
+    finish_reason: str  # "stop" (wrote a stop token) or "length" (hit max_new_tokens)
+
+
+def per_row(value, num_rows):
+    """An int for every row -> a list of num_rows ints; a list is checked and returned as is."""
+    values = [value] * num_rows if isinstance(value, int) else list(value)
+    assert len(values) == num_rows, f"expected {num_rows} per-row values, got {len(values)}"
+    return values
+
+
+def sample_tokens(logits, temperature, top_p, uniforms):
+    """Draw one token per row from (B, V) logits; returns (tokens (B,), logprobs (B,)).
+
+    Sampling is by inverse CDF: row b takes the first token whose cumulative probability exceeds
+    uniforms[b] (a number in [0, 1) that the caller draws from the row's own seed). One vectorised
+    operation for the whole batch, and a row's token depends only on its logits and its uniform.
+    Nucleus (top-p) sampling keeps the smallest set of most likely tokens whose probability reaches
+    top_p. The returned log-prob is that of the untruncated distribution at this temperature.
+    """
+    logits = logits.float()
+    if temperature == 0:
+        tokens = logits.argmax(dim=-1)  # (B,)
+        return tokens, torch.log_softmax(logits, dim=-1).gather(1, tokens[:, None]).squeeze(1)
+    logprobs = torch.log_softmax(logits / temperature, dim=-1)  # (B, V)
+    probs = logprobs.exp()
+    if top_p < 1.0:
+        sorted_probs, order = probs.sort(dim=-1, descending=True)
+        mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs  # probability of the tokens ranked above
+        sorted_probs[mass_before >= top_p] = 0.0  # the top token always survives (mass_before = 0)
+        probs = torch.zeros_like(probs).scatter(1, order, sorted_probs)
+    cumulative = probs.cumsum(dim=-1)  # (B, V); the last column is the (kept) total mass
+    targets = uniforms[:, None] * cumulative[:, -1:]  # (B, 1)
+    # right=True: the first token with cumulative > target, so a zero-probability token is never picked.
+    tokens = torch.searchsorted(cumulative, targets, right=True).squeeze(1).clamp(max=probs.shape[1] - 1)  # (B,)
+    return tokens, logprobs.gather(1, tokens[:, None]).squeeze(1)
+
+
+def logprob_mismatch(sampler_logprobs, trainer_logprobs, mask):
+    """Mean |log p_sampler - log p_trainer| over the sampled tokens (mask 1): the stale-weights canary."""
+    difference = (sampler_logprobs.float() - trainer_logprobs.float()).abs()  # (B, T)
+    mask = mask.bool()
+    return (difference[mask].sum() / mask.sum().clamp(min=1)).item()
+
+
+class TorchSampler:
+    """Batched KV-cache generation with the trainer's own HF causal LM (CPU or GPU).
+
+    batch_size caps how many rows decode together (None: all of them); rows are grouped by length so
+    that little padding is computed. Results do not depend on batch_size (per-row seeds). On CPU,
+    groups of ~32 rows beat one big batch (bench/bench_sampler.py): a short prompt in a batch of long
+    ones pays for the padding in every layer of every step.
+    """
+
+    def __init__(self, model, batch_size=None):
+        self.model, self.batch_size = model, batch_size
+
+    def update_weights(self, model):
+        """Sample from `model` from now on. The trainer's model is used in place, so nothing is copied."""
+        self.model = model
+
+    def generate(self, prompts, max_new_tokens, temperature=1.0, top_p=1.0, stop_token_ids=(), seed=0):
+        """Continue every prompt (a list of token ids); returns one Generation per prompt, in order.
+
+        max_new_tokens and seed are an int or one int per prompt.
+        """
+        assert all(len(prompt) > 0 for prompt in prompts), "every prompt needs at least one token"
+        max_new_tokens, seeds = per_row(max_new_tokens, len(prompts)), per_row(seed, len(prompts))
+        assert min(max_new_tokens, default=1) >= 1, "max_new_tokens must be at least 1 for every row"
+        order = sorted(range(len(prompts)), key=lambda row: len(prompts[row]))  # similar lengths together
+        chunk = self.batch_size or max(len(prompts), 1)
+        results = [None] * len(prompts)
+        was_training = self.model.training
+        self.model.eval()
+        for start in range(0, len(order), chunk):
+            rows = order[start:start + chunk]
+            generations = self._generate_batch([prompts[r] for r in rows], [max_new_tokens[r] for r in rows],
+                                               temperature, top_p, set(stop_token_ids), [seeds[r] for r in rows])
+            for row, generation in zip(rows, generations):
+                results[row] = generation
+        self.model.train(was_training)
+        return results
+
+    @torch.inference_mode()
+    def _generate_batch(self, prompts, max_new_tokens, temperature, top_p, stop_token_ids, seeds):
+        device = next(self.model.parameters()).device
+        num_rows, width = len(prompts), max(len(prompt) for prompt in prompts)
+        # Left padding: every row's last prompt token sits in the last column, so one step appends one
+        # column for everyone. Pad positions are masked out of attention, and position ids count real
+        # tokens only, so a padded row computes what it would compute alone.
+        input_ids = torch.zeros(num_rows, width, dtype=torch.long, device=device)  # (B, L)
+        attention_mask = torch.zeros(num_rows, width, dtype=torch.long, device=device)  # (B, L)
+        for row, prompt in enumerate(prompts):
+            input_ids[row, width - len(prompt):] = torch.tensor(prompt, device=device)
+            attention_mask[row, width - len(prompt):] = 1
+        position_ids = (attention_mask.cumsum(dim=1) - 1).clamp(min=0)  # (B, L)
+        # Each row draws all its uniforms up front from its own seed: its samples cannot depend on the batch.
+        uniforms = torch.zeros(num_rows, max(max_new_tokens))  # (B, max_new_tokens)
+        for row, (limit, seed) in enumerate(zip(max_new_tokens, seeds)):
+            uniforms[row, :limit] = torch.rand(limit, generator=torch.Generator().manual_seed(seed))
+        uniforms = uniforms.to(device)
+        generations = [Generation([], [], "length") for _ in prompts]
+        live = list(range(num_rows))  # the original row of each row still in the batch
+        cache = DynamicCache(config=self.model.config)
+        logits = self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                            past_key_values=cache, use_cache=True, logits_to_keep=1).logits[:, -1]  # (B, V)
+        next_position = position_ids[:, -1] + 1  # (B,)
+        while True:
+            step = len(generations[live[0]].token_ids)  # every live row has sampled the same number of tokens
+            tokens, logprobs = sample_tokens(logits, temperature, top_p, uniforms[live, step])
+            keep = []
+            for index, (row, token, logprob) in enumerate(zip(live, tokens.tolist(), logprobs.tolist())):
+                generation = generations[row]
+                generation.token_ids.append(token)
+                generation.logprobs.append(logprob)
+                if token in stop_token_ids:
+                    generation.finish_reason = "stop"
+                elif len(generation.token_ids) < max_new_tokens[row]:
+                    keep.append(index)
+            if not keep:
+                return generations
+            if len(keep) < len(live):  # drop finished rows from the batch and the cache: they cost nothing more
+                kept = torch.tensor(keep, device=device)
+                cache.batch_select_indices(kept)
+                tokens, attention_mask, next_position = tokens[kept], attention_mask[kept], next_position[kept]
+                live = [live[index] for index in keep]
+            attention_mask = torch.cat([attention_mask, attention_mask.new_ones(len(live), 1)], dim=1)  # (B, L+t)
+            logits = self.model(input_ids=tokens[:, None], attention_mask=attention_mask,
+                                position_ids=next_position[:, None], past_key_values=cache, use_cache=True).logits[:, -1]
+            next_position = next_position + 1
+
+
+class VLLMSampler:
+    """A vLLM engine on this rank's GPU, written against vLLM 0.33's documented API (requirements-gpu.txt).
+
+    One engine per rank (under torchrun vLLM's "external_launcher" backend runs it inside this
+    process). `generate` sends token-id prompts (TokensPrompt) with one SamplingParams per row;
+    logprobs=0 returns the sampled token's log-prob, and the engine's logprobs_mode="processed_logprobs"
+    makes it the temperature-scaled one, the convention above. (vLLM's processed log-probs are taken
+    after top-p truncation, so with top_p < 1 they are those of the renormalised nucleus; keep top_p = 1
+    for training, where TorchSampler and VLLMSampler agree.) generation_config="vllm" stops the
+    checkpoint's generation_config.json from adding its own sampling defaults.
+
+    With enable_sleep_mode, `sleep()` frees the weights and KV cache while the trainer updates, and
+    `update_weights` wakes the weights *before* loading into them: loading into sleeping weights and
+    waking up afterwards restores the old ones, a stale-weights bug TRL once shipped. The prefix cache
+    is reset after loading, since its KV entries were computed with the old weights.
+    """
+
+    def __init__(self, model_path, gpu_memory_utilization=0.3, enable_sleep_mode=False, dtype="bfloat16", seed=0,
+                 max_model_len=4096):
+        # In-process engine, so update_weights hands tensors to the model without pickling them.
+        os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+        try:
+            import vllm
+        except ImportError as error:
+            raise ImportError("VLLMSampler needs vLLM (pip install -r requirements-gpu.txt); "
+                              "TorchSampler needs nothing extra") from error
+        self.vllm, self.sleeping = vllm, False
+        under_torchrun = int(os.environ.get("WORLD_SIZE", 1)) > 1
+        self.llm = vllm.LLM(
+            model=str(model_path), dtype=dtype, seed=seed, gpu_memory_utilization=gpu_memory_utilization,
+            enable_sleep_mode=enable_sleep_mode, max_model_len=max_model_len, logprobs_mode="processed_logprobs",
+            generation_config="vllm", distributed_executor_backend="external_launcher" if under_torchrun else None,
+        )
+
+    def generate(self, prompts, max_new_tokens, temperature=1.0, top_p=1.0, stop_token_ids=(), seed=0):
+        """Same contract as TorchSampler.generate."""
+        assert not self.sleeping, "the vLLM engine is asleep: call update_weights (or wake_up) first"
+        max_new_tokens, seeds = per_row(max_new_tokens, len(prompts)), per_row(seed, len(prompts))
+        params = [self.vllm.SamplingParams(max_tokens=limit, temperature=temperature, top_p=top_p, seed=row_seed,
+                                           stop_token_ids=list(stop_token_ids), logprobs=0, detokenize=False)
+                  for limit, row_seed in zip(max_new_tokens, seeds)]
+        requests = [self.vllm.TokensPrompt(prompt_token_ids=list(prompt)) for prompt in prompts]
+        outputs = self.llm.generate(requests, params, use_tqdm=False)
+        generations = []
+        for output in outputs:
+            completion = output.outputs[0]
+            token_ids = list(completion.token_ids)
+            logprobs = [position[token].logprob for token, position in zip(token_ids, completion.logprobs)]
+            generations.append(Generation(token_ids, logprobs, "stop" if completion.finish_reason == "stop" else "length"))
+        return generations
+
+    def sleep(self):
+        """Free GPU memory for the update (level 1: weights offloaded to CPU, KV cache dropped)."""
+        self.llm.sleep(level=1)
+        self.sleeping = True
+
+    def wake_up(self):
+        """Bring the weights and the KV cache back."""
+        self.llm.wake_up()
+        self.sleeping = False
+
+    def update_weights(self, model):
+        """Copy the trainer's current weights (an unwrapped HF model) into the engine's model."""
+        if self.sleeping:
+            self.llm.wake_up(tags=["weights"])  # weights first, so the load below writes into live memory
+        weights = list(model.state_dict().items())  # HF names; vLLM's load_weights maps and fuses them
+        self.llm.apply_model(lambda vllm_model: vllm_model.load_weights(weights))
+        if self.sleeping:
+            self.llm.wake_up(tags=["kv_cache"])
+            self.sleeping = False
+        self.llm.reset_prefix_cache()

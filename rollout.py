@@ -1,0 +1,198 @@
+"""
+Rollouts: play whole multi-turn episodes with the current policy and record who wrote every token.
+
+One episode: the model writes a turn, the environment answers (tool results, game observations), the
+model writes again, until the env says done. `rollout` plays P env seeds x G samples each (G episodes of
+one seed form a GRPO group) in lockstep: every turn, all episodes still running go into one sampler call,
+so a batch of 64 episodes costs one batched generation per turn, not 64.
+
+Token in, token out. A trajectory is built by appending token ids, never by decoding text and encoding
+it again. Re-encoding is not the identity (BPE can merge across the boundary between two turns, a turn
+cut mid-token decodes to different bytes), and then the trainer scores tokens the sampler never
+chose: the log-prob ratio of those tokens is garbage, which is how Agent-R1 (issue #30) and TRL (#5224)
+got NaN losses. So, for the chat template of Qwen2.5 (which every nanoagent model speaks):
+
+    <|im_start|>system ... <|im_start|>assistant\n    prompt: the template with add_generation_prompt   mask 0
+    <tool_call>...</tool_call><|im_end|>              the sampled turn, as sampled, with its end token    mask 1
+    \n<|im_start|>user\n<tool_response>...            the env's observation as the template writes it,    mask 0
+      </tool_response><|im_end|>\n<|im_start|>assistant\n   up to the next assistant header
+    <answer>...</answer><|im_end|>                    the next sampled turn                               mask 1
+
+The observation tokens come from `observation_tokens`: render a fixed dummy conversation that ends
+with an assistant turn, with and without the new messages, and keep what the new messages added after
+the dummy's <|im_end|>. The history itself is never rendered again. Two places where the template's
+text and the sampled tokens part ways, handled here:
+  - The template writes "<|im_end|>\n" after every assistant turn, but the model samples only up to
+    <|im_end|>. The "\n" is the environment's: it opens the observation tokens (mask 0).
+  - A turn cut by max_new_tokens has no <|im_end|>. The template would close the turn with one, so the
+    environment appends <|im_end|> (mask 0) before the observation. The model never wrote it, and is
+    not trained to.
+Either way the token ids equal the template's rendering of the same messages (the tests check it with
+the tiny and the real Qwen2.5 tokenizer), except where BPE would have merged differently: there the
+sampled tokens win.
+
+Stopping: the env says done, `max_turns` turns were played, or the next turn would not fit in
+`max_total_tokens`. The last two flag the episode `truncated`; `truncated_reward` says what its rewards
+become: "keep" (the env's step rewards, the default) or "zero" (the episode scores 0, like an overlong
+response in DAPO's filtering, without dropping it from its group). A trajectory never ends on
+environment tokens: observations are only appended when another turn follows.
+"""
+
+import hashlib
+from dataclasses import dataclass
+
+import torch
+from tqdm import tqdm
+
+END_OF_TURN = "<|im_end|>"  # Qwen2.5's end-of-turn token, what an assistant turn stops on
+STOP_TOKENS = (END_OF_TURN, "<|endoftext|>")  # the sampler stops a turn on either (as Qwen2.5-Instruct does)
+DUMMY_CONVERSATION = [{"role": "system", "content": "S"}, {"role": "user", "content": "U"},
+                      {"role": "assistant", "content": "A"}]  # any conversation ending with an assistant turn
+
+
+@dataclass
+class Trajectory:
+    token_ids: list[int]  # prompt, then agent turns and env observations, as one token sequence
+    action_mask: list[int]  # 1 exactly on the tokens the sampler chose
+    logprobs: list[float]  # the sampler's log-prob of each token; 0.0 off the mask
+    prompt_length: int  # number of opening prompt tokens
+    turn_rewards: list[float]  # one env step reward per agent turn
+    turn_end_positions: list[int]  # index of the last agent token of each turn (where its reward goes)
+    score: float  # sum of turn_rewards
+    group_id: int  # index of the env seed: trajectories with the same group_id form a GRPO group
+    seed: int  # the env seed
+    truncated: bool  # stopped by max_turns or the token budget, not by the env
+    num_turns: int
+    info: dict  # the last step's info; "tool_calls", "invalid_calls", "format_errors" summed over the episode
+    messages: list[dict]  # the conversation the tokens spell, as chat messages (for display)
+
+
+def render(tokenizer, messages, tools=None, add_generation_prompt=False):
+    """The chat template's text for these messages (and tools)."""
+    return tokenizer.apply_chat_template(messages, tools=tools or None, tokenize=False,
+                                         add_generation_prompt=add_generation_prompt)
+
+
+def encode(tokenizer, text):
+    """Token ids of text, special tokens included as written, nothing added."""
+    return tokenizer.encode(text, add_special_tokens=False)
+
+
+def observation_tokens(tokenizer, observations):
+    """The environment's tokens after an assistant's <|im_end|>: the template's text for `observations`
+    (tool results and/or user messages) plus the next assistant header, by suffix difference."""
+    before = render(tokenizer, DUMMY_CONVERSATION)
+    after = render(tokenizer, DUMMY_CONVERSATION + observations, add_generation_prompt=True)
+    assert after.startswith(before), "the chat template rewrote earlier turns when new messages were added"
+    turn_end = before.rindex(END_OF_TURN) + len(END_OF_TURN)
+    # The cut sits right after a special token, which the tokenizer always splits on, so encoding the
+    # suffix alone gives the same ids as encoding the whole conversation.
+    return encode(tokenizer, after[turn_end:])
+
+
+def sample_seed_for(sample_seed, env_seed, member, turn):
+    """A sampling seed for one (episode, turn): the same whatever else is in the batch."""
+    digest = hashlib.blake2b(f"{sample_seed}/{env_seed}/{member}/{turn}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") >> 1  # torch seeds must fit in a signed 64-bit int
+
+
+def append(trajectory, token_ids, mask, logprobs=None):
+    """Append tokens written by the agent (mask 1, with their log-probs) or by the env (mask 0)."""
+    trajectory.token_ids += token_ids
+    trajectory.action_mask += [mask] * len(token_ids)
+    trajectory.logprobs += logprobs if logprobs is not None else [0.0] * len(token_ids)
+
+
+def rollout(sampler, tokenizer, make_env, seeds, group_size, max_turns, max_new_tokens, max_total_tokens,
+            temperature=1.0, top_p=1.0, sample_seed=0, truncated_reward="keep", progress=False):
+    """Play group_size episodes of every env seed, turn by turn; returns the trajectories, grouped by seed.
+
+    make_env() returns a fresh env; episode j of seeds[i] is member j of group i. Each turn gets at most
+    max_new_tokens tokens and a trajectory at most max_total_tokens. Sampling of episode (seed, member)
+    at turn k uses its own seed derived from (sample_seed, seed, member, k), so an episode's tokens do
+    not depend on which other episodes share the batch.
+    """
+    assert truncated_reward in ("keep", "zero"), f"truncated_reward must be 'keep' or 'zero', got {truncated_reward!r}"
+    end_of_turn = tokenizer.convert_tokens_to_ids(END_OF_TURN)
+    stop_token_ids = [tokenizer.convert_tokens_to_ids(token) for token in STOP_TOKENS]
+    episodes = []  # (env, trajectory, member)
+    for group_id, seed in enumerate(seeds):
+        for member in range(group_size):
+            env = make_env()
+            messages, tools = env.reset(seed)
+            prompt = encode(tokenizer, render(tokenizer, messages, tools, add_generation_prompt=True))
+            trajectory = Trajectory(token_ids=[], action_mask=[], logprobs=[], prompt_length=len(prompt),
+                                    turn_rewards=[], turn_end_positions=[], score=0.0, group_id=group_id, seed=seed,
+                                    truncated=False, num_turns=0, info={}, messages=list(messages))
+            append(trajectory, prompt, 0)
+            trajectory.truncated = len(prompt) >= max_total_tokens  # not even one token fits
+            episodes.append((env, trajectory, member))
+    active = [episode for episode in episodes if not episode[1].truncated]
+    for turn in tqdm(range(max_turns), desc="rollout turns", disable=not progress):
+        if not active:
+            break
+        generations = sampler.generate(
+            [trajectory.token_ids for _, trajectory, _ in active],
+            [min(max_new_tokens, max_total_tokens - len(trajectory.token_ids)) for _, trajectory, _ in active],
+            temperature=temperature, top_p=top_p, stop_token_ids=stop_token_ids,
+            seed=[sample_seed_for(sample_seed, trajectory.seed, member, turn) for _, trajectory, member in active])
+        still_active = []
+        for (env, trajectory, member), generation in zip(active, generations):
+            append(trajectory, generation.token_ids, 1, generation.logprobs)
+            trajectory.turn_end_positions.append(len(trajectory.token_ids) - 1)
+            trajectory.num_turns += 1
+            # The env reads text: the turn without its stop token. Decoding is fine, it is never re-encoded.
+            sampled = generation.token_ids[:-1] if generation.finish_reason == "stop" else generation.token_ids
+            text = tokenizer.decode(sampled)
+            trajectory.messages.append({"role": "assistant", "content": text})
+            result = env.step(text)
+            trajectory.turn_rewards.append(result.reward)
+            info = trajectory.info
+            trajectory.info = {**result.info, "tool_calls": info.get("tool_calls", 0) + result.info["tool_calls"],
+                               "invalid_calls": info.get("invalid_calls", 0) + result.info["invalid_calls"],
+                               "format_errors": info.get("format_errors", 0) + int(result.info["format_error"])}
+            if result.done:
+                continue
+            closing = [] if generation.token_ids[-1] == end_of_turn else [end_of_turn]  # a cut turn gets closed
+            env_tokens = closing + observation_tokens(tokenizer, result.observations)
+            if turn == max_turns - 1 or len(trajectory.token_ids) + len(env_tokens) >= max_total_tokens:
+                trajectory.truncated = True  # no further turn: stop on the agent's last token
+                continue
+            append(trajectory, env_tokens, 0)
+            trajectory.messages += result.observations
+            still_active.append((env, trajectory, member))
+        active = still_active
+    trajectories = [trajectory for _, trajectory, _ in episodes]
+    for trajectory in trajectories:
+        if trajectory.truncated and truncated_reward == "zero":
+            trajectory.turn_rewards = [0.0] * len(trajectory.turn_rewards)
+        trajectory.score = float(sum(trajectory.turn_rewards))
+    return trajectories
+
+
+def collate(trajectories, pad_token_id):
+    """Right-pad trajectories into (B, T) tensors for the trainer. Token-aligned: action_mask[b, t] = 1 iff
+    token t of row b was sampled, sampler_logprobs[b, t] is its log-prob, token_rewards[b, t] holds the
+    rewards of the turns that end at t (what masks.place_rewards builds; the positions here are always
+    agent tokens, so no reward needs moving)."""
+    num_rows, width = len(trajectories), max(len(trajectory.token_ids) for trajectory in trajectories)
+    batch = {
+        "input_ids": torch.full((num_rows, width), pad_token_id, dtype=torch.long),
+        "attention_mask": torch.zeros(num_rows, width, dtype=torch.long),
+        "action_mask": torch.zeros(num_rows, width, dtype=torch.long),
+        "sampler_logprobs": torch.zeros(num_rows, width, dtype=torch.float32),
+        "token_rewards": torch.zeros(num_rows, width, dtype=torch.float32),
+    }
+    for row, trajectory in enumerate(trajectories):
+        length = len(trajectory.token_ids)
+        batch["input_ids"][row, :length] = torch.tensor(trajectory.token_ids)
+        batch["attention_mask"][row, :length] = 1
+        batch["action_mask"][row, :length] = torch.tensor(trajectory.action_mask)
+        batch["sampler_logprobs"][row, :length] = torch.tensor(trajectory.logprobs)
+        for reward, position in zip(trajectory.turn_rewards, trajectory.turn_end_positions):
+            assert trajectory.action_mask[position] == 1, f"row {row}: a turn reward at {position} is off the mask"
+            batch["token_rewards"][row, position] += reward
+    batch["scores"] = torch.tensor([trajectory.score for trajectory in trajectories], dtype=torch.float32)  # (B,)
+    batch["group_ids"] = torch.tensor([trajectory.group_id for trajectory in trajectories], dtype=torch.long)  # (B,)
+    batch["truncated"] = torch.tensor([trajectory.truncated for trajectory in trajectories])  # (B,)
+    return batch
