@@ -1,0 +1,302 @@
+"""
+Evaluate trained agents, run the papers' baselines, and chat with an agent in the terminal.
+
+    python eval.py --model tiny --env synthetic_qa --n 64                       # one model, greedy
+    python eval.py --model Qwen/Qwen2.5-3B-Instruct --model runs/ppo/step_000200 --model runs/grpo/step_000200 \
+        --env search_qa --data hotpotqa --split validation --n 512 --baselines --json results.json
+    python eval.py --model runs/grpo/step_000200 --env calculator --temperature 0 1.0 --samples 8   # + pass@1..8
+    python eval.py --chat --model tiny --env synthetic_qa --seed 3             # talk to it; Ctrl-D or "exit" leaves
+
+Evaluation. Episodes are played by rollout.rollout, the very loop training uses, on held-out seeds:
+envs.eval_seeds(n) for the procedural envs (training only sees seeds below EVAL_SEED_START), rows
+0..n-1 of --split for search_qa. Every (model, setting, temperature) is one row of one table:
+  success   the env's own success flag (QA: exact match of the final answer; games: solved)
+  EM, F1    SQuAD-normalised exact match and token F1 of the final answer (QA envs; "-" elsewhere)
+  reward    mean episode score (sum of step rewards: outcome, format penalty, process reward)
+  turns     mean assistant turns; calls: mean tool calls per episode (Trajectory.info sums the per-step
+            counts over the episode); invalid: invalid calls / all calls (unknown tool, bad JSON or args)
+  trunc     episodes that never finished: cut by the token budget, or (tool envs) out of turns with no <answer>
+  pass@k    unbiased estimator 1 - C(n-c, k) / C(n, k) from n samples per seed with c successes (Codex
+            paper), averaged over seeds; k = 1, 2, 4, ... up to --samples. Temperature 0 is greedy, one sample.
+Samplers: TorchSampler (the model in this process, CPU or GPU) or VLLMSampler (GPU); one process, no torchrun.
+
+Baselines (Agent-R1's table), same data, same metrics, rows added by --baselines for every model:
+  tools          Base Tool Call when the model is the untrained one: the model with the env's tools and
+                 prompt, i.e. the plain evaluation row (the trained models' rows use the same setting).
+  naive_rag      retrieve once, with the question as the query, through the env's own search tool; the
+                 passages go into the user message and the model answers in one turn, without tools.
+                 (On synthetic_qa the search is an exact name lookup, so the question finds nothing: there
+                 naive RAG equals no retrieval, which is the point of a multi-hop task.) Only envs with search.
+  no_retrieval   the question alone, answered in one turn without tools.
+Both are BaselineEnv, a wrapper around a ToolEnv, run through the same rollout(). Tool envs only.
+
+Chat. The user's messages replace the env's question; the tools are those of --env for --seed (the
+synthetic KB's search over that seed's made-up facts, the calculator, a search QA row's passages).
+Each turn the model writes; its tool calls run live and their results (shown apart from the agent's
+text) go back in, token in, token out, with rollout's observation_tokens, until it writes no call.
+"""
+import argparse
+import gc
+import json
+import math
+import sys
+from collections import defaultdict
+
+from tqdm import tqdm
+
+import envs
+import rollout
+import tools
+from masks import AGENT_COLOR, ENV_COLOR, RESET
+
+# -----------------------------------------------------------------------------
+# Metrics
+
+
+def pass_at_k(n: int, c: int, k: int) -> float:
+    """Probability that at least one of k samples, drawn without replacement from n with c correct, is correct."""
+    assert 0 <= c <= n and 1 <= k <= n, f"need 0 <= c <= n and 1 <= k <= n, got n={n} c={c} k={k}"
+    return 1.0 - math.comb(n - c, k) / math.comb(n, k)
+
+
+def pass_ks(samples: int) -> list[int]:
+    """The k reported for `samples` samples per seed: powers of two below it, and `samples` itself."""
+    return sorted({2 ** i for i in range(samples.bit_length()) if 2 ** i < samples} | {samples})
+
+
+def summarize(trajectories: list) -> dict:
+    """The table's numbers for a list of rollout.Trajectory (every seed with the same number of samples)."""
+    def mean(values):
+        return sum(values) / len(values) if values else float("nan")
+    infos = [trajectory.info for trajectory in trajectories]
+    successes = defaultdict(list)  # env seed -> success of each sample
+    for trajectory, info in zip(trajectories, infos):
+        successes[trajectory.seed].append(bool(info.get("success", False)))
+    samples = {len(flags) for flags in successes.values()}
+    assert len(samples) == 1, f"every seed needs the same number of samples, got {samples}"
+    calls = sum(info.get("tool_calls", 0) for info in infos)
+    is_qa = all("em" in info for info in infos)
+    row = {"episodes": len(trajectories),
+           "success": mean([float(info.get("success", False)) for info in infos]),
+           "em": mean([info["em"] for info in infos]) if is_qa else None,
+           "f1": mean([info["f1"] for info in infos]) if is_qa else None,
+           "reward": mean([trajectory.score for trajectory in trajectories]),
+           "turns": mean([trajectory.num_turns for trajectory in trajectories]),
+           "tool_calls": calls / len(trajectories),
+           "invalid_rate": sum(info.get("invalid_calls", 0) for info in infos) / max(calls, 1),
+           # a tool env's episode ends without an answer only at the turn limit (info["answer"] is None)
+           "truncated": mean([float(t.truncated or ("answer" in t.info and t.info["answer"] is None))
+                              for t in trajectories])}
+    for k in pass_ks(samples.pop()):
+        row[f"pass@{k}"] = mean([pass_at_k(len(flags), sum(flags), k) for flags in successes.values()])
+    return row
+
+
+def format_table(rows: list[dict]) -> str:
+    """Rows of (model, setting, temperature, metrics) as an aligned text table; a missing number prints "-"."""
+    ks = sorted({key for row in rows for key in row if key.startswith("pass@")}, key=lambda key: int(key[5:]))
+    columns = ["model", "setting", "temp", "episodes", "success", "em", "f1", "reward", "turns", "tool_calls",
+               "invalid_rate", "truncated", *ks]
+    headers = {"tool_calls": "calls", "invalid_rate": "invalid", "truncated": "trunc", "em": "EM", "f1": "F1"}
+
+    def cell(value, column):
+        if value is None:
+            return "-"
+        return f"{value:.3f}" if isinstance(value, float) and column != "temp" else str(value)
+    table = [[headers.get(column, column) for column in columns]]
+    table += [[cell(row.get(column), column) for column in columns] for row in rows]
+    widths = [max(len(line[i]) for line in table) for i in range(len(columns))]
+    return "\n".join("  ".join(text.ljust(width) for text, width in zip(line, widths)).rstrip() for line in table)
+
+# -----------------------------------------------------------------------------
+# Baselines: the same task with the tools taken away
+
+
+class BaselineEnv:
+    """Wraps a ToolEnv for Agent-R1's baselines: one turn, no tools, same question and scoring.
+    retrieve=True is naive RAG: the env's own search runs once on the question, its passages go in the prompt."""
+
+    def __init__(self, env: envs.ToolEnv, retrieve: bool):
+        assert isinstance(env, envs.ToolEnv), f"baselines need a tool env, got {type(env).__name__}"
+        self.env, self.retrieve, self.max_turns = env, retrieve, 1
+
+    def reset(self, seed: int) -> tuple[list[dict], list[dict]]:
+        """The env's episode for `seed`, with a tool-free prompt (and retrieved passages for naive RAG)."""
+        self.env.reset(seed)
+        question = self.env.question
+        if self.retrieve:
+            assert "search" in self.env.tools, f"naive RAG needs a search tool, {type(self.env).__name__} has none"
+            passages, _ = tools.run_tool_call(tools.ToolCall("search", {"query": question}), self.env.tools)
+            question = f"Passages:\n{passages}\n\nQuestion: {question}"
+        # From here a tool call is an unknown tool (an invalid call), and the first turn is the last.
+        self.env.tools, self.env.max_turns = {}, 1
+        system = envs.ToolEnv.system_prompt + (envs.THINK_INSTRUCTION if self.env.require_think else "")
+        return [{"role": "system", "content": system}, {"role": "user", "content": question}], []
+
+    def step(self, assistant_text: str) -> envs.StepResult:
+        """The wrapped env's step: its answer scoring, rewards and info."""
+        return self.env.step(assistant_text)
+
+
+SETTINGS = {"tools": lambda env: env, "naive_rag": lambda env: BaselineEnv(env, retrieve=True),
+            "no_retrieval": lambda env: BaselineEnv(env, retrieve=False)}
+
+# -----------------------------------------------------------------------------
+# Evaluation and chat
+
+
+def evaluate(sampler, tokenizer, make_env, seeds, samples=1, temperature=0.0, max_new_tokens=256,
+             max_total_tokens=4096, seeds_per_batch=64, sample_seed=0, progress=True) -> dict:
+    """Plays `samples` episodes per seed with rollout.rollout (batched by seeds) and returns summarize()'s row."""
+    assert temperature > 0 or samples == 1, "greedy decoding (temperature 0) gives identical samples: use --samples 1"
+    seeds, trajectories = list(seeds), []
+    max_turns = make_env().max_turns
+    for start in tqdm(range(0, len(seeds), seeds_per_batch), desc="eval batches", disable=not progress):
+        trajectories += rollout.rollout(sampler, tokenizer, make_env, seeds[start:start + seeds_per_batch], samples,
+                                        max_turns, max_new_tokens, max_total_tokens, temperature=temperature,
+                                        sample_seed=sample_seed)
+    return summarize(trajectories)
+
+
+def chat(sampler, tokenizer, env, seed=0, max_turns=4, max_new_tokens=256, max_total_tokens=4096,
+         temperature=0.0, read=input, write=print, color=False):
+    """Interactive loop: read() a user message, let the agent write, run its tool calls live, repeat.
+    read() raising EOFError (Ctrl-D) or returning "exit"/"quit" ends it. sampler is any object with
+    TorchSampler's generate(), so tests can script the agent."""
+    agent_color, env_color, plain = (AGENT_COLOR, ENV_COLOR, RESET) if color else ("", "", "")
+    messages, tool_schemas = env.reset(seed)
+    tool_dict = getattr(env, "tools", {})
+    write(f"tools: {', '.join(tool_dict) or 'none'}   (env question for seed {seed}: {messages[-1]['content']!r})")
+    end_of_turn = tokenizer.convert_tokens_to_ids(rollout.END_OF_TURN)
+    stop_token_ids = [tokenizer.convert_tokens_to_ids(token) for token in rollout.STOP_TOKENS]
+    token_ids, turn = [], 0
+    while True:
+        try:
+            user_text = read("you> ").strip()
+        except (EOFError, KeyboardInterrupt):
+            write("")
+            return
+        if user_text in ("exit", "quit"):
+            return
+        user = {"role": "user", "content": user_text}
+        if token_ids:  # later messages: appended as tokens after the last <|im_end|>, like an observation
+            token_ids += rollout.observation_tokens(tokenizer, [user])
+        else:
+            token_ids = rollout.encode(tokenizer, rollout.render(tokenizer, [messages[0], user], tool_schemas, True))
+        for step in range(max_turns):
+            if len(token_ids) >= max_total_tokens:
+                write(f"[context full: {len(token_ids)} tokens; start a new chat]")
+                return
+            generation = sampler.generate([token_ids], min(max_new_tokens, max_total_tokens - len(token_ids)),
+                                          temperature=temperature, stop_token_ids=stop_token_ids, seed=turn)[0]
+            turn += 1
+            sampled = generation.token_ids[:-1] if generation.finish_reason == "stop" else generation.token_ids
+            closing = [] if generation.token_ids[-1] == end_of_turn else [end_of_turn]  # a cut turn is closed
+            token_ids += generation.token_ids + closing  # as sampled, like rollout's trajectories
+            text = tokenizer.decode(sampled)
+            write(f"{agent_color}agent> {text}{plain}")
+            calls = tools.parse_tool_calls(envs.split_thinking(text)[1], tool_dict) if tool_dict else []
+            if not calls:
+                break
+            if step == max_turns - 1:  # no turn would follow the results: the conversation must end on <|im_end|>
+                write(f"{env_color}  [turn limit {max_turns} reached: these calls were not run]{plain}")
+                break
+            observations = []
+            for call in calls:
+                output, ok = tools.run_tool_call(call, tool_dict)
+                write(f"{env_color}  [tool {call.name}({json.dumps(call.arguments)})] -> {output}{plain}")
+                observations.append({"role": "tool", "content": output})
+            token_ids += rollout.observation_tokens(tokenizer, observations)
+
+# -----------------------------------------------------------------------------
+# Command line
+
+
+def make_sampler(kind, model_name, max_total_tokens=4096):
+    """(sampler, tokenizer) for a model name or path: vLLM on a GPU, else the model in this process."""
+    from transformers import AutoTokenizer
+
+    from nanoagent import common, models
+    from nanoagent.sampler import TorchSampler
+    if kind == "vllm":
+        from nanoagent.sampler import VLLMSampler  # imported here: vLLM exists on GPU nodes only
+        path = models.resolve_model_path(model_name)
+        sampler = VLLMSampler(path, gpu_memory_utilization=0.5, max_model_len=max_total_tokens)
+        return sampler, AutoTokenizer.from_pretrained(path)
+    device = common.autodetect_device_type()
+    model, tokenizer = models.load_model(model_name, device=device, dtype=common.autodetect_dtype(device))
+    return TorchSampler(model), tokenizer
+
+
+def env_factory(args):
+    """A make_env() for --env with --env_options (and --data/--split for search_qa)."""
+    env_class, options = envs.ENVS[args.env], json.loads(args.env_options)
+    if args.max_turns is not None:
+        options["max_turns"] = args.max_turns
+    if env_class is envs.SearchQAEnv:
+        options = {"data": args.data, "split": args.split, **options}
+    return lambda: env_class(**options)
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
+    # Models and sampling
+    parser.add_argument("--model", action="append", required=True, help="HF name, checkpoint dir or 'tiny'; repeat for rows")
+    parser.add_argument("--sampler", choices=["torch", "vllm"], default=None, help="default: vllm on a GPU, else torch")
+    parser.add_argument("--temperature", type=float, nargs="+", default=[0.0], help="0 = greedy; several give several rows")
+    parser.add_argument("--samples", type=int, default=1, help="samples per seed when sampling (pass@k up to this)")
+    parser.add_argument("--max_new_tokens", type=int, default=256, help="per assistant turn")
+    parser.add_argument("--max_total_tokens", type=int, default=4096, help="per episode")
+    parser.add_argument("--seeds_per_batch", type=int, default=64, help="seeds per rollout() call (x samples episodes)")
+    # Environment and data
+    parser.add_argument("--env", default="synthetic_qa", choices=sorted(envs.ENVS))
+    parser.add_argument("--env_options", default="{}", help='JSON constructor options, e.g. \'{"hops": 3}\'')
+    parser.add_argument("--max_turns", type=int, default=None, help="default: the env's own")
+    parser.add_argument("--data", default="hotpotqa", help="search_qa: Hub name or local .json/.jsonl/.parquet")
+    parser.add_argument("--split", default="validation", help="search_qa: the held-out split")
+    parser.add_argument("--n", type=int, default=256, help="evaluation seeds (search_qa: rows)")
+    parser.add_argument("--seed_start", type=int, default=None, help="default: EVAL_SEED_START (search_qa: 0)")
+    # Output and modes
+    parser.add_argument("--baselines", action="store_true", help="add naive_rag and no_retrieval rows per model")
+    parser.add_argument("--json", default=None, help="also write the rows to this JSON file")
+    parser.add_argument("--chat", action="store_true", help="talk to the (first) model with --env's tools for --seed")
+    parser.add_argument("--seed", type=int, default=0, help="chat: the env seed whose tools (KB) are used")
+    args = parser.parse_args(argv)
+
+    from nanoagent.common import autodetect_device_type
+    sampler_kind = args.sampler or ("vllm" if autodetect_device_type() == "cuda" else "torch")
+    make_env = env_factory(args)
+    if args.chat:
+        sampler, tokenizer = make_sampler(sampler_kind, args.model[0], args.max_total_tokens)
+        chat(sampler, tokenizer, make_env(), args.seed, args.max_turns or 4, args.max_new_tokens, args.max_total_tokens,
+             args.temperature[0], color=sys.stdout.isatty())
+        return
+    seed_start = args.seed_start if args.seed_start is not None else 0 if args.env == "search_qa" else envs.EVAL_SEED_START
+    seeds = range(seed_start, seed_start + args.n)
+    settings = ["tools"]
+    if args.baselines:
+        probe = make_env()
+        assert isinstance(probe, envs.ToolEnv), f"--baselines needs a tool env, {args.env} is a game"
+        probe.reset(seeds[0])
+        settings += (["naive_rag"] if "search" in probe.tools else []) + ["no_retrieval"]
+    rows = []
+    for model_name in args.model:
+        sampler, tokenizer = make_sampler(sampler_kind, model_name, args.max_total_tokens)
+        for setting in settings:
+            for temperature in args.temperature:
+                samples = args.samples if temperature > 0 else 1
+                print(f"{model_name} | {setting} | temperature {temperature} | {len(seeds)} seeds x {samples}")
+                row = evaluate(sampler, tokenizer, lambda: SETTINGS[setting](make_env()), seeds, samples, temperature,
+                               args.max_new_tokens, args.max_total_tokens, args.seeds_per_batch)
+                rows.append({"model": model_name, "setting": setting, "temp": temperature, **row})
+        del sampler  # free the model (or the vLLM engine's memory) before the next one loads
+        gc.collect()
+    print(format_table(rows))
+    if args.json:
+        with open(args.json, "w") as file:
+            json.dump(rows, file, indent=2)
+        print(f"wrote {args.json}")
+
+
+if __name__ == "__main__":
+    main()
