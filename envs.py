@@ -149,8 +149,9 @@ class ToolEnv:
         """Does this successful, not repeated call earn the process reward? By default, yes."""
         return True
 
-    def reset(self, seed: int) -> tuple[list[dict], list[dict]]:
-        """Starts the episode for `seed`: (opening messages, tool schemas)."""
+    def reset(self, seed: int, episode: int = 0) -> tuple[list[dict], list[dict]]:
+        """Starts the episode for `seed`: (opening messages, tool schemas). Tools are deterministic, so
+        `episode` (which member of a GRPO group this is) changes nothing here."""
         self.seed, self.rng = seed, random.Random(seed)
         self.question, self.answers, tool_list = self.new_task(self.rng)
         self.tools = {tool.name: tool for tool in tool_list}
@@ -462,10 +463,17 @@ class GameEnv:
         self.max_turns, self.max_actions_per_turn = max_turns, max_actions_per_turn
         self.format_penalty, self.require_think = format_penalty, require_think
 
-    def reset(self, seed: int) -> tuple[list[dict], list[dict]]:
-        """Starts the game for `seed`: (opening messages, no tools)."""
-        self.rng, self.turn, self.done, self.success = random.Random(seed), 0, False, False
-        self.new_game(self.rng)
+    def reset(self, seed: int, episode: int = 0) -> tuple[list[dict], list[dict]]:
+        """Starts the game for `seed`: (opening messages, no tools).
+
+        The starting state comes from `seed` alone; the game's luck afterwards (FrozenLake's slips, the
+        bandit's payout) from (seed, episode). The members of a GRPO group share a seed and differ in
+        `episode`, so they face the same game with independent luck, as in RAGEN: if they shared one
+        coin, std-normalised GRPO would see the risky arm lose in 3 groups out of 4 and learn to avoid it.
+        """
+        self.turn, self.done, self.success = 0, False, False
+        self.new_game(random.Random(seed))
+        self.rng = random.Random(f"{seed}/{episode}")  # the transitions' own random stream
         several = f", up to {self.max_actions_per_turn} actions separated by ||" if self.max_actions_per_turn > 1 else ""
         system = (f"{self.rules} Valid actions: {', '.join(self.actions)}. Reply with <answer>action</answer>{several}."
                   + (THINK_INSTRUCTION if self.require_think else ""))
@@ -526,28 +534,28 @@ class BanditEnv(GameEnv):
     """Two-armed bandit, one turn. The safe arm always pays `safe_reward` (0.1); the risky arm pays
     `risky_reward` (1.0) with probability `risky_probability` (0.25): worth 0.25 in expectation, so
     it is the better arm. Arm names and their order are drawn from the seed; success means the risky
-    arm was picked. The risky arm's coin also comes from the seed, so a GRPO group that shares a seed
-    shares one coin: then std-normalised advantages see the risky arm lose in 3 groups out of 4 and
-    learn the safe arm (only the sign survives normalisation). Give each group member its own
-    `payout_seed` (independent coins) or use mean-centred advantages (Dr. GRPO); the tests check both."""
+    arm was picked. The risky arm's coin is tossed per episode (see GameEnv.reset)."""
     rules = "Two slot machines: one pays a little every time, the other pays a lot but rarely. Pull one arm."
 
-    def __init__(self, safe_reward=0.1, risky_reward=1.0, risky_probability=0.25, payout_seed=None,
+    def __init__(self, safe_reward=0.1, risky_reward=1.0, risky_probability=0.25,
                  max_turns=1, max_actions_per_turn=1, **options):
         self.safe_reward, self.risky_reward, self.risky_probability = safe_reward, risky_reward, risky_probability
-        self.payout_seed = payout_seed
         super().__init__(max_turns=max_turns, max_actions_per_turn=max_actions_per_turn, **options)
 
     def new_game(self, rng):
         self.safe_arm, self.risky_arm = rng.choice(SAFE_ARMS), rng.choice(RISKY_ARMS)
         self.actions = rng.sample([self.safe_arm, self.risky_arm], 2)
-        coin = rng.random() if self.payout_seed is None else random.Random(self.payout_seed).random()
-        self.risky_pays = coin < self.risky_probability
+
+    def demonstration(self, mistake_rate=0.5, rng=None) -> list[str]:
+        """One pull for supervised warm-up: the safe arm with probability `mistake_rate`, else the
+        risky one. It teaches the format and leaves the choice of arm to RL."""
+        rng = rng or random.Random(0)
+        return [f"<answer>{self.safe_arm if rng.random() < mistake_rate else self.risky_arm}</answer>"]
 
     def move(self, action):
         self.success = action == self.risky_arm
         if self.success:
-            return (self.risky_reward if self.risky_pays else 0.0), True
+            return (self.risky_reward if self.rng.random() < self.risky_probability else 0.0), True
         return self.safe_reward, True
 
     def render(self):
@@ -665,3 +673,16 @@ class SokobanEnv(GameEnv):
 
 ENVS = {"search_qa": SearchQAEnv, "synthetic_qa": SyntheticQAEnv, "calculator": CalculatorEnv,
         "bandit": BanditEnv, "frozen_lake": FrozenLakeEnv, "sokoban": SokobanEnv}
+
+
+def env_factory(name, options=None, data=None, split="train"):
+    """A zero-argument callable that builds a fresh `name` env per episode (what rollout() takes).
+
+    `options` are the env's constructor keywords; `data` and `split` are for search_qa only.
+    """
+    assert name in ENVS, f"unknown env {name!r}; choose from {sorted(ENVS)}"
+    env_class, options = ENVS[name], dict(options or {})
+    if env_class is SearchQAEnv:
+        assert data is not None, "search_qa needs data: a Hub name (hotpotqa, 2wikimultihopqa, musique) or a local file"
+        options = {"data": data, "split": split, **options}
+    return lambda: env_class(**options)

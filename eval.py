@@ -120,9 +120,9 @@ class BaselineEnv:
         assert isinstance(env, envs.ToolEnv), f"baselines need a tool env, got {type(env).__name__}"
         self.env, self.retrieve, self.max_turns = env, retrieve, 1
 
-    def reset(self, seed: int) -> tuple[list[dict], list[dict]]:
+    def reset(self, seed: int, episode: int = 0) -> tuple[list[dict], list[dict]]:
         """The env's episode for `seed`, with a tool-free prompt (and retrieved passages for naive RAG)."""
-        self.env.reset(seed)
+        self.env.reset(seed, episode)
         question = self.env.question
         if self.retrieve:
             assert "search" in self.env.tools, f"naive RAG needs a search tool, {type(self.env).__name__} has none"
@@ -230,12 +230,10 @@ def make_sampler(kind, model_name, max_total_tokens=4096):
 
 def env_factory(args):
     """A make_env() for --env with --env_options (and --data/--split for search_qa)."""
-    env_class, options = envs.ENVS[args.env], json.loads(args.env_options)
+    options = json.loads(args.env_options)
     if args.max_turns is not None:
         options["max_turns"] = args.max_turns
-    if env_class is envs.SearchQAEnv:
-        options = {"data": args.data, "split": args.split, **options}
-    return lambda: env_class(**options)
+    return envs.env_factory(args.env, options, data=args.data, split=args.split)
 
 
 def main(argv=None):

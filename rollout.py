@@ -119,7 +119,7 @@ def rollout(sampler, tokenizer, make_env, seeds, group_size, max_turns, max_new_
     for group_id, seed in enumerate(seeds):
         for member in range(group_size):
             env = make_env()
-            messages, tools = env.reset(seed)
+            messages, tools = env.reset(seed, episode=member)
             prompt = encode(tokenizer, render(tokenizer, messages, tools, add_generation_prompt=True))
             trajectory = Trajectory(token_ids=[], action_mask=[], logprobs=[], prompt_length=len(prompt),
                                     turn_rewards=[], turn_end_positions=[], score=0.0, group_id=group_id, seed=seed,

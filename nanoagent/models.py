@@ -18,6 +18,8 @@ policy checkpoint, as Agent-R1 and RAGEN initialise theirs: `load_critic(path)`.
 """
 
 import functools
+import hashlib
+import json
 import os
 from pathlib import Path
 
@@ -60,9 +62,20 @@ QWEN25_ADDED_TOKENS = [
     ("<|fim_pad|>", False), ("<|repo_name|>", False), ("<|file_sep|>", False),
 ]
 
-# The tiny tokenizer also makes the environments' tags single tokens, so the tiny model's trajectories
-# stay short. (In Qwen2.5 they are a few ordinary BPE tokens each; nothing depends on either choice.)
-TINY_EXTRA_TOKENS = ["<tool_response>", "</tool_response>", "<think>", "</think>", "<answer>", "</answer>"]
+# The tiny tokenizer also makes the environments' tags, the chat template's fixed tool-block text and the
+# JSON glue of tool schemas and calls single tokens, so the tiny model's trajectories stay short: a
+# constant 150-token preamble would cost CPU time and dilute the attention a tiny model must learn to
+# aim at a name. (In Qwen2.5 these are ordinary BPE tokens; nothing else depends on the choice.)
+TINY_EXTRA_TOKENS = [
+    "<tool_response>", "</tool_response>", "<think>", "</think>", "<answer>", "</answer>",
+    "\n\n# Tools\n\nYou may call one or more functions to assist with the user query.\n\n"
+    "You are provided with function signatures within <tools></tools> XML tags:\n<tools>",
+    "\n</tools>\n\nFor each function call, return a json object with function name and arguments within "
+    "<tool_call></tool_call> XML tags:\n<tool_call>\n{\"name\": <function-name>, \"arguments\": <args-json-object>}\n</tool_call>",
+    '{"type": "function", "function": {"name": "', '", "description": "', '", "parameters": {"type": "object", ',
+    '"properties": {', '"required": [', '{"type": "string", "description": "', '{"type": "string"}',
+    '\n{"name": "', '", "arguments": {', '"}}\n',
+]
 
 
 def cache_dir():
@@ -184,15 +197,17 @@ TINY_CORPUS = [
     "Look Call Use Give Begin every reply reasoning then give product word problem apply",
     "Who\nWhat\nWhere\nWhen\nWhich\nHow\nIn\nThe\nNo\nYes\nAnswer\nInvalid\nError\n",
 ]
-# Short English words that the synthetic task (envs.py, NAMES) draws its made-up entities from. Each one
-# appears both at the start of a line and after a space, so both forms become single tokens.
+# Short English words the environments use as names (envs.py: NAMES, the bandit's arms). They are
+# whole added tokens, so a name is the same single token wherever it stands (" Oak" in a question,
+# "Oak" after a quote or at a line start): copying a name from a search result is then the identity,
+# which a tiny model learns in minutes, instead of a learned mapping between two spellings.
 TINY_NAMES = ("Amber Aspen Birch Cedar Coral Daisy Delta Ember Fable Fern Flint Frost Gale Grove Hazel Heron "
               "Iris Ivory Jade Juniper Kestrel Lark Laurel Lotus Maple Marsh Meadow Mint Moss Nova Oak Olive "
               "Onyx Opal Orchid Pearl Pebble Pine Plum Quartz Raven Reed Ridge Robin Rose Ruby Rust Sage "
               "Slate Sparrow Spruce Thorn Tide Topaz Vale Willow Wren Zephyr Aurora Basil Clover Dune Echo Finch "
               "Garnet Harbor Indigo Jasper Lilac Linden Lumen Misty Nectar Orion Poppy Quill Rowan Saffron Sierra "
-              "Tansy Umber Velvet Wisp Yarrow Zinnia Acorn Bramble Cinder Dawn Comet Fjord Glade Moor Tundra").split()
-TINY_CORPUS += [f"{name}: {name}\n" for name in TINY_NAMES]
+              "Tansy Umber Velvet Wisp Yarrow Zinnia Acorn Bramble Cinder Dawn Comet Fjord Glade Moor Tundra "
+              "Turtle Anchor Pillow Dragon Volcano Tiger").split()  # the last six: the bandit's arms
 
 
 def tiny_tokenizer(vocab_size=2048):
@@ -206,18 +221,23 @@ def tiny_tokenizer(vocab_size=2048):
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),  # all 256 bytes: any text encodes
     )
     bpe.train_from_iterator(TINY_CORPUS * 4, trainer=trainer)
-    return _wrap(bpe, extra_tokens=TINY_EXTRA_TOKENS)
+    return _wrap(bpe, extra_tokens=TINY_EXTRA_TOKENS + TINY_NAMES)
 
 
-def tiny_model(tokenizer, seed=0, hidden_size=128, num_layers=4, num_heads=4, num_kv_heads=2,
-               intermediate_size=384):
-    """A freshly initialised Qwen2ForCausalLM sized for CPU training (~1M parameters), in float32."""
+TINY_SHAPE = dict(hidden_size=128, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+                  intermediate_size=384)
+
+
+def tiny_model(tokenizer, seed=0, **shape):
+    """A freshly initialised Qwen2ForCausalLM sized for CPU training (~1M parameters), in float32.
+
+    `shape` overrides TINY_SHAPE (hidden_size, num_hidden_layers, ...), for experiments.
+    """
     vocab_size = (len(tokenizer) + 63) // 64 * 64  # round up, as Qwen pads 151665 tokens to 151936
     config = Qwen2Config(
-        vocab_size=vocab_size, hidden_size=hidden_size, intermediate_size=intermediate_size,
-        num_hidden_layers=num_layers, num_attention_heads=num_heads, num_key_value_heads=num_kv_heads,
-        max_position_embeddings=4096, rope_theta=10000.0, tie_word_embeddings=True,
-        bos_token_id=None, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
+        vocab_size=vocab_size, **{**TINY_SHAPE, **shape}, max_position_embeddings=4096, rope_theta=10000.0,
+        tie_word_embeddings=True, bos_token_id=None, eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
     )
     with torch.random.fork_rng(devices=[]):  # seed the init without disturbing the caller's RNG
         torch.manual_seed(seed)
@@ -246,9 +266,13 @@ def save_tiny_model(path, seed=0):
 # Loading
 
 def resolve_model_path(name_or_path):
-    """Map 'tiny' to its cached directory (building it on first use); anything else is returned as is."""
+    """Map 'tiny' to its cached directory (building it on first use); anything else is returned as is.
+
+    The directory is named after a hash of the tiny recipe, so changing the recipe never loads a stale build.
+    """
     if name_or_path == "tiny":
-        path = cache_dir() / "tiny"
+        recipe = json.dumps([TINY_CORPUS, TINY_EXTRA_TOKENS, TINY_NAMES, TINY_SHAPE, QWEN25_CHAT_TEMPLATE])
+        path = cache_dir() / f"tiny-{hashlib.sha256(recipe.encode()).hexdigest()[:10]}"
         if not (path / "config.json").exists():
             save_tiny_model(path)
         return str(path)

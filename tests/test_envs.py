@@ -306,14 +306,14 @@ def test_bandit_rewards_and_success():
 def test_bandit_advantages_prefer_the_risky_arm_with_independent_coins():
     """GRPO groups of 16 share a seed, 8 members pull each arm; the mean advantage of the risky pulls
     is the direction GRPO moves the policy. With one coin per group std-normalised advantages favour
-    the safe arm; with a payout_seed per member, or with mean-centred advantages, the risky arm wins."""
+    the safe arm; with a coin per member (its episode), or with mean-centred advantages, the risky arm wins."""
     def mean_risky_advantage(per_member_coin, scale_by_std):
         advantages = []
         for group in range(300):
             rewards = []
             for member in range(16):
-                env = envs.BanditEnv(payout_seed=group * 16 + member if per_member_coin else None)
-                env.reset(group)
+                env = envs.BanditEnv()
+                env.reset(group, episode=member if per_member_coin else 0)
                 rewards.append(env.step(f"<answer>{env.risky_arm if member < 8 else env.safe_arm}</answer>").reward)
             mean = sum(rewards) / 16
             std = (sum((r - mean) ** 2 for r in rewards) / 15) ** 0.5 if scale_by_std else 1.0
@@ -504,3 +504,8 @@ def test_readme_example_runs(capsys):
     assert result.reward == 1.0 and result.done and result.info["success"]
     assert capsys.readouterr().out.splitlines()[-1] == "1.0 True True"
     assert env.answers == [str(eval(env.question.removeprefix("What is ").removesuffix("?")))]
+
+
+def test_every_env_name_is_a_single_token_of_the_tiny_tokenizer():
+    from nanoagent.models import TINY_NAMES
+    assert set(envs.NAMES) | set(envs.SAFE_ARMS) | set(envs.RISKY_ARMS) <= set(TINY_NAMES)

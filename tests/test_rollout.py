@@ -21,7 +21,7 @@ class ScriptedEnv:
     """Three turns: two tool results, then a user message, then done. The rewards are REWARDS."""
     max_turns = 3
 
-    def reset(self, seed):
+    def reset(self, seed, episode=0):
         self.turn, self.seed, self.received = 0, seed, []
         return ([{"role": "system", "content": "Use the calculator."}, {"role": "user", "content": f"What is {seed} + 1?"}],
                 [tools.calculator_tool().schema()])
