@@ -1,0 +1,132 @@
+"""Supervised warm-up on demonstrations: the step before RL that teaches a model the format.
+
+RL can only sharpen what a policy already does sometimes. Qwen2.5-Instruct arrives knowing how to
+write `<tool_call>{json}</tool_call>` and `<answer>...</answer>`; a tiny model from random weights does
+not, so none of its rollouts ever earns a reward, every GRPO group is flat, and nothing is learned.
+The fix (the "cold start" SFT of DeepSeek-R1 and most agent-RL recipes) is a short supervised pass on
+demonstration episodes before RL.
+
+The demonstrations must teach the *format* without solving the *task*, or RL has nothing left to do.
+So most of them are wrong, in the ways a weak agent is wrong (SyntheticQAEnv.demonstration with a
+mistake rate): searching the wrong entity, repeating a query, answering with the intermediate entity
+instead of the final one. Uniform noise would not do: the right entity would stay the most likely
+token everywhere, and greedy decoding would already be near perfect.
+
+The loss is next-token cross-entropy on the assistant's tokens only (each assistant turn and its
+closing <|im_end|>), the same action mask RL uses: the model learns to act, not to predict tool output.
+The warmed-up model is saved as an ordinary HF checkpoint and cached, keyed by everything it depends on,
+so the default `python train.py` pays for it once.
+"""
+
+import hashlib
+import json
+import random
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+import envs
+from nanoagent.checkpoint import save_atomically
+from nanoagent.common import print0
+from nanoagent.models import cache_dir, load_model, resolve_model_path
+
+
+def demonstration_episode(env, seed, mistake_rate, rng):
+    """Play one demonstration through the env; returns (messages, tool_schemas, solved)."""
+    messages, tool_schemas = env.reset(seed)
+    result = None
+    for text in env.demonstration(mistake_rate=mistake_rate, rng=rng):
+        messages.append({"role": "assistant", "content": text})
+        result = env.step(text)
+        messages.extend(result.observations)
+        if result.done:
+            break
+    return messages, tool_schemas, bool(result and result.info["success"])
+
+
+def assistant_token_mask(tokenizer, input_ids):
+    """1 on the tokens of every assistant turn, its closing <|im_end|> included; 0 elsewhere.
+
+    Scans the rendered chat for `<|im_start|>assistant\\n` and marks everything up to the next
+    <|im_end|>: exactly the tokens a sampler would have produced in a rollout.
+    """
+    header = tokenizer("<|im_start|>assistant\n", add_special_tokens=False).input_ids
+    im_end = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    mask, inside, t = [0] * len(input_ids), False, 0
+    while t < len(input_ids):
+        if not inside and input_ids[t:t + len(header)] == header:
+            inside, t = True, t + len(header)
+            continue
+        if inside:
+            mask[t] = 1
+            inside = input_ids[t] != im_end
+        t += 1
+    return mask
+
+
+def tokenize_conversation(tokenizer, messages, tool_schemas):
+    """Render a conversation with the chat template; return (input_ids, assistant mask)."""
+    text = tokenizer.apply_chat_template(messages, tools=tool_schemas or None, tokenize=False)
+    input_ids = tokenizer(text, add_special_tokens=False).input_ids
+    return input_ids, assistant_token_mask(tokenizer, input_ids)
+
+
+def warm_up(model_name, env_name, env_kwargs, steps=600, batch_size=16, lr=3e-3, mistake_rate=0.5,
+            num_episodes=4000, seed=0, device="cpu"):
+    """Supervised warm-up of `model_name` on noisy demonstrations of `env_name`; returns the checkpoint path.
+
+    Cached under the nanoagent cache directory, keyed by every argument, so a second call is free.
+    Episodes use training seeds only (below envs.EVAL_SEED_START).
+    """
+    model_name = resolve_model_path(model_name)  # 'tiny' -> its recipe-hashed directory, part of the key
+    settings = dict(model=str(model_name), env=env_name, env_kwargs=env_kwargs, steps=steps, batch_size=batch_size,
+                    lr=lr, mistake_rate=mistake_rate, num_episodes=num_episodes, seed=seed)
+    key = hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()[:12]
+    path = cache_dir() / "warmup" / f"{Path(str(model_name)).name}-{env_name}-{key}"
+    if (path / "config.json").exists():
+        print0(f"warm-up: using the cached checkpoint {path}")
+        return path
+    env_class = envs.ENVS[env_name]
+    assert hasattr(env_class, "demonstration"), f"--env {env_name} has no demonstrations: pass --warmup_steps 0"
+    model, tokenizer = load_model(model_name, device=device)
+    model.train()
+    rng = random.Random(seed)
+    examples, solved = [], 0
+    for episode in range(num_episodes):
+        messages, tool_schemas, success = demonstration_episode(env_class(**env_kwargs), episode, mistake_rate, rng)
+        examples.append(tokenize_conversation(tokenizer, messages, tool_schemas))
+        solved += success
+    print0(f"warm-up: {num_episodes} demonstrations, {solved / num_episodes:.0%} of them solve their task")
+
+    optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
+    # A short linear warm-up, then constant: a tiny model learns to copy names from its context in a
+    # sudden transition a few hundred steps in (an induction-head-like jump), and decaying the rate
+    # before it comes only delays it.
+    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: min(1.0, (step + 1) / 20))
+    generator = torch.Generator().manual_seed(seed)
+    progress = tqdm(range(steps), desc="warm-up (SFT)")
+    for _ in progress:
+        batch = [examples[i] for i in torch.randint(len(examples), (batch_size,), generator=generator)]
+        length = max(len(ids) for ids, _ in batch)
+        input_ids = torch.full((batch_size, length), tokenizer.pad_token_id)  # (B, T), right padded
+        loss_mask = torch.zeros(batch_size, length)  # (B, T)
+        for row, (ids, mask) in enumerate(batch):
+            input_ids[row, :len(ids)] = torch.tensor(ids)
+            loss_mask[row, :len(mask)] = torch.tensor(mask, dtype=torch.float)
+        input_ids, loss_mask = input_ids.to(device), loss_mask.to(device)
+        logits = model(input_ids).logits[:, :-1]  # (B, T-1, V): position t predicts token t+1
+        token_loss = torch.nn.functional.cross_entropy(logits.transpose(1, 2), input_ids[:, 1:], reduction="none")
+        loss = (token_loss * loss_mask[:, 1:]).sum() / loss_mask[:, 1:].sum()
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        schedule.step()
+        optimizer.zero_grad(set_to_none=True)
+        progress.set_postfix(loss=f"{loss.item():.3f}")
+
+    def save(directory):
+        model.save_pretrained(directory)
+        tokenizer.save_pretrained(directory)
+        (directory / "warmup.json").write_text(json.dumps(settings, indent=2))
+    return save_atomically(path, save)

@@ -1,0 +1,428 @@
+"""
+Train an LLM agent with multi-turn RL: PPO (with a critic), GRPO / Dr.GRPO, or REINFORCE++.
+
+    python train.py                                   # the main job: tiny model, synthetic multi-hop QA, 2-core CPU
+    python train.py --algo ppo --starpo_s             # RAGEN's StarPO-S: critic, top-25% groups, clip 0.2/0.28
+    python train.py --no_action_mask                  # ablation: train on the environment's tokens too
+    torchrun --nproc_per_node=2 train.py              # 2 processes (gloo on CPU, NCCL on GPUs)
+    torchrun --nproc_per_node=8 train.py --model Qwen/Qwen2.5-3B-Instruct --warmup_steps 0 --sampler vllm \\
+        --env search_qa --data hotpotqa --lr 1e-6 --critic_lr 1e-5 --max_new_tokens 512 --max_total_tokens 4096
+
+One step, top to bottom:
+  1. rollout   every rank plays its share of prompts_per_step env seeds x group_size samples (rollout.py)
+  2. filter    StarPO-S: keep the groups whose rewards vary most (--filter_ratio)
+  3. score     old log-probs (pre-update policy), reference log-probs (KL), values (critic), per-token rewards
+  4. credit    advantages over agent tokens only: GAE, GRPO, or REINFORCE++ (masks.py)
+  5. update    clipped surrogate with decoupled bounds, through the action mask; critic with clipped value
+               loss; gradients all-reduced across ranks; gradient clipping
+  6. sync      the sampler gets the new weights (TorchSampler shares the model; vLLM is pushed the weights)
+  7. log       one JSON line per step, a tqdm bar, Echo-Trap monitors (RAGEN), eval, atomic checkpoints
+
+The tiny model starts from random weights and cannot know the tool-call format, so the default run first
+performs a short, cached supervised warm-up on deliberately flawed demonstrations (sft.py); pass
+--warmup_steps 0 for an instruct model that already knows the format.
+
+Deliberately left out: sequence packing, FSDP/tensor parallelism (each rank holds the whole model),
+an asynchronous rollout/update pipeline, and learning-rate schedules. Everything fits on one screen instead.
+"""
+
+import argparse
+import json
+import math
+import os
+import statistics
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from tqdm import tqdm
+
+import envs
+import masks
+import rollout
+from nanoagent.checkpoint import latest_checkpoint, load_trainer_state, rng_state, save_checkpoint, set_rng_state
+from nanoagent.common import autodetect_dtype, compute_cleanup, compute_init, print0, seed_everything
+from nanoagent.models import load_critic, load_model, resolve_model_path
+from nanoagent.sampler import TorchSampler, logprob_mismatch
+
+# RAGEN's StarPO-S in one flag: keep the top 25% of groups by reward std, decoupled clipping 0.2/0.28,
+# no KL, and a critic (PPO). Explicit flags override these.
+STARPO_S = {"algo": "ppo", "filter_ratio": 0.25, "clip_low": 0.2, "clip_high": 0.28, "kl": "none"}
+DEFAULTS = {"algo": "grpo", "filter_ratio": 1.0, "clip_low": 0.2, "clip_high": 0.2, "kl": "none"}
+
+
+def get_args(argv=None):
+    """Parse and check the command line; StarPO-S fills the flags the user did not give."""
+    parser = argparse.ArgumentParser(description="Multi-turn agent RL: PPO, GRPO, REINFORCE++.")
+    # Model
+    parser.add_argument("--model", default="tiny", help="Hub name, local checkpoint directory, or 'tiny'")
+    parser.add_argument("--device", default=None, choices=["cpu", "cuda"], help="default: cuda if available")
+    # Supervised warm-up (sft.py)
+    parser.add_argument("--warmup_steps", type=int, default=600, help="SFT steps on demonstrations before RL (0: off)")
+    parser.add_argument("--warmup_mistake_rate", type=float, default=0.6, help="chance each demonstration decision is wrong")
+    parser.add_argument("--warmup_lr", type=float, default=3e-3)
+    # Environment
+    parser.add_argument("--env", default="synthetic_qa", choices=sorted(envs.ENVS))
+    parser.add_argument("--env_options", default="{}", help='JSON constructor options, e.g. \'{"hops": 3}\'')
+    parser.add_argument("--data", default=None, help="search_qa: Hub name (hotpotqa, ...) or local .json/.jsonl/.parquet")
+    parser.add_argument("--max_turns", type=int, default=4)
+    # Rollout
+    parser.add_argument("--prompts_per_step", type=int, default=8, help="env seeds per step, over all ranks")
+    parser.add_argument("--group_size", type=int, default=8, help="samples per seed (a GRPO group)")
+    parser.add_argument("--max_new_tokens", type=int, default=32, help="per assistant turn")
+    parser.add_argument("--max_total_tokens", type=int, default=512, help="per episode")
+    parser.add_argument("--temperature", type=float, default=1.0)
+    parser.add_argument("--truncated_reward", default="keep", choices=["keep", "zero"])
+    parser.add_argument("--sampler", default="torch", choices=["torch", "vllm"])
+    # Algorithm
+    parser.add_argument("--algo", default=None, choices=["ppo", "grpo", "reinforce_pp"], help="default: grpo")
+    parser.add_argument("--dr_grpo", action="store_true", help="GRPO without the std division (Dr.GRPO)")
+    parser.add_argument("--starpo_s", action="store_true", help="RAGEN's StarPO-S settings (explicit flags win)")
+    parser.add_argument("--filter_ratio", type=float, default=None, help="StarPO-S: keep this top fraction of groups by reward std (1.0: off)")
+    parser.add_argument("--clip_low", type=float, default=None, help="ratio clip below 1 (default 0.2)")
+    parser.add_argument("--clip_high", type=float, default=None, help="ratio clip above 1 (default 0.2; StarPO-S 0.28)")
+    parser.add_argument("--value_clip", type=float, default=0.2, help="PPO value-loss clip range")
+    parser.add_argument("--kl", default=None, choices=["none", "in_reward", "loss"], help="default: none")
+    parser.add_argument("--kl_estimator", default=None, choices=["k1", "k2", "k3"], help="default: k1 in the reward, k3 as a loss")
+    parser.add_argument("--kl_coef", type=float, default=0.001)
+    parser.add_argument("--gamma", type=float, default=1.0)
+    parser.add_argument("--lam", type=float, default=1.0, help="GAE lambda")
+    parser.add_argument("--loss_agg", default="token-mean", choices=["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"])
+    parser.add_argument("--no_action_mask", action="store_true", help="ablation: environment tokens enter the loss too")
+    # Optimization
+    parser.add_argument("--steps", type=int, default=60)
+    parser.add_argument("--ppo_epochs", type=int, default=1)
+    parser.add_argument("--minibatch_size", type=int, default=None, help="trajectories per update (default: all)")
+    parser.add_argument("--lr", type=float, default=1e-3)
+    parser.add_argument("--critic_lr", type=float, default=3e-3)
+    parser.add_argument("--critic_warmup", type=int, default=0, help="steps that train only the critic")
+    parser.add_argument("--entropy_coef", type=float, default=0.0)
+    parser.add_argument("--grad_clip", type=float, default=1.0)
+    # Run
+    parser.add_argument("--out_dir", default="runs/default")
+    parser.add_argument("--resume", action="store_true", help="continue from out_dir's latest checkpoint")
+    parser.add_argument("--eval_every", type=int, default=10, help="steps between held-out evaluations (0: off)")
+    parser.add_argument("--eval_episodes", type=int, default=128)
+    parser.add_argument("--save_every", type=int, default=50)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--wandb", default=None, help="a wandb project name to log to (needs wandb installed)")
+    args = parser.parse_args(argv)
+
+    for key, value in (STARPO_S if args.starpo_s else {}).items():
+        setattr(args, key, value if getattr(args, key) is None else getattr(args, key))
+    for key, value in DEFAULTS.items():
+        setattr(args, key, value if getattr(args, key) is None else getattr(args, key))
+    args.kl_estimator = args.kl_estimator or ("k1" if args.kl == "in_reward" else "k3")
+    args.env_options = {"max_turns": args.max_turns, **json.loads(args.env_options)}
+
+    def check(condition, message):
+        if not condition:
+            parser.error(message)
+    check(0 < args.filter_ratio <= 1, f"--filter_ratio must be in (0, 1], got {args.filter_ratio}")
+    check(args.algo == "ppo" or args.group_size >= 2 or args.algo == "reinforce_pp",
+          "GRPO compares samples within a group: --group_size must be at least 2")
+    check(args.filter_ratio == 1 or args.group_size >= 2, "StarPO-S filtering ranks groups by reward std: --group_size >= 2")
+    check(args.clip_low > 0 and args.clip_high > 0, "--clip_low and --clip_high must be positive")
+    check(args.max_new_tokens < args.max_total_tokens, "--max_new_tokens must be below --max_total_tokens")
+    check(args.steps >= 1 and args.ppo_epochs >= 1, "--steps and --ppo_epochs must be at least 1")
+    check(args.critic_warmup == 0 or args.algo == "ppo", "--critic_warmup needs a critic (--algo ppo)")
+    check(args.kl != "in_reward" or args.algo != "grpo", "--kl in_reward needs per-token credit: use --kl loss with GRPO")
+    check(args.env != "search_qa" or args.data, "--env search_qa needs --data (a Hub name or a local file)")
+    return args
+
+
+def token_logprobs(model, input_ids, attention_mask, temperature, with_entropy=False):
+    """Log-prob of every token given the ones before it, at the sampling temperature: (B, T-1).
+
+    Position t's logits predict token t+1, so the result is aligned with input_ids[:, 1:]. The sampler
+    reports log-softmax(logits / T) of what it sampled, so the trainer scores with the same T.
+    """
+    logits = model(input_ids=input_ids, attention_mask=attention_mask).logits[:, :-1].float()  # (B, T-1, V)
+    logprobs_all = torch.log_softmax(logits / temperature, dim=-1)
+    logprobs = logprobs_all.gather(-1, input_ids[:, 1:, None]).squeeze(-1)  # (B, T-1)
+    entropy = -(logprobs_all.exp() * logprobs_all).sum(-1) if with_entropy else None  # (B, T-1)
+    return logprobs, entropy
+
+
+def policy_loss(logprobs, old_logprobs, advantages, mask, clip_low, clip_high, loss_agg, norm_constant):
+    """PPO's clipped surrogate with decoupled bounds (DAPO's clip-higher), through the loss mask.
+
+    ratio = π(a|s) / π_old(a|s) per token; the loss is max(-A ratio, -A clip(ratio, 1 - clip_low,
+    1 + clip_high)), aggregated over mask-1 tokens only. Returns (loss, ratio (B, T-1)).
+    """
+    ratio = (logprobs - old_logprobs).exp()  # (B, T-1); exactly 1 on the first on-policy pass
+    surrogate = torch.max(-advantages * ratio, -advantages * ratio.clamp(1 - clip_low, 1 + clip_high))
+    return masks.aggregate_loss(surrogate, mask, loss_agg, norm_constant=norm_constant), ratio
+
+
+def critic_values(critic, input_ids, attention_mask):
+    """V(state before token t+1) for t = 0..T-2: (B, T-1), aligned like token_logprobs."""
+    return critic(input_ids=input_ids, attention_mask=attention_mask).logits.squeeze(-1)[:, :-1].float()
+
+
+def keep_high_variance_groups(trajectories, filter_ratio):
+    """StarPO-S variance filtering: keep the top `filter_ratio` of groups ranked by in-group reward std.
+
+    A group whose samples all score alike carries no learning signal for GRPO and little for PPO;
+    RAGEN found that training on the informative groups delays and softens collapse (the Echo Trap).
+    """
+    groups = {}
+    for trajectory in trajectories:
+        groups.setdefault(trajectory.group_id, []).append(trajectory)
+    spread = {group_id: statistics.pstdev([t.score for t in members]) for group_id, members in groups.items()}
+    keep_count = max(1, math.ceil(filter_ratio * len(groups)))
+    kept = sorted(groups, key=lambda group_id: (-spread[group_id], group_id))[:keep_count]
+    return [trajectory for group_id in sorted(kept) for trajectory in groups[group_id]]
+
+
+def all_reduce_gradients(model, world_size):
+    """Average gradients over ranks: what DDP does, written out so a reader sees the one collective."""
+    if world_size == 1:
+        return
+    for parameter in model.parameters():
+        if parameter.grad is not None:
+            dist.all_reduce(parameter.grad, op=dist.ReduceOp.SUM)
+            parameter.grad /= world_size
+
+
+def echo_trap_warnings(history, window=5):
+    """RAGEN's early signs of collapse: in-group reward std fading, gradient norm spiking.
+
+    Both are judged on `window`-step averages, so one noisy step does not raise an alarm.
+    """
+    def smoothed(key, end):
+        return statistics.fmean(h[key] for h in history[max(0, end - window):end])
+    warnings, steps = [], len(history)
+    if steps >= 2 * window:
+        now, peak = smoothed("group_reward_std", steps), max(smoothed("group_reward_std", end) for end in range(window, steps + 1))
+        if peak > 0.05 and now < 0.2 * peak and smoothed("success", steps) < 0.9:
+            warnings.append(f"in-group reward std fell to {now:.3f} (peak {peak:.3f}) while success is low: groups "
+                            "answer alike (Echo Trap); try --filter_ratio 0.25 or a higher temperature")
+    recent = [h["grad_norm"] for h in history[-21:-1]]
+    if len(recent) >= 10 and statistics.median(recent) > 1e-6 and history[-1]["grad_norm"] > 10 * statistics.median(recent):
+        warnings.append(f"gradient norm {history[-1]['grad_norm']:.2f} is over 10x its recent median "
+                        f"{statistics.median(recent):.2f}: a spike that often precedes collapse")
+    return warnings
+
+
+def evaluate(sampler, tokenizer, args, rank, world_size):
+    """Held-out success rate and mean score, sampled at the training temperature, over all ranks."""
+    make_env = envs.env_factory(args.env, args.env_options, data=args.data, split="validation")
+    seeds = list(envs.eval_seeds(args.eval_episodes))[rank::world_size]  # search_qa: rows of the validation split
+    trajectories = rollout.rollout(sampler, tokenizer, make_env, seeds, 1, args.max_turns, args.max_new_tokens,
+                                   args.max_total_tokens, temperature=args.temperature, sample_seed=args.seed + 1)
+    totals = torch.tensor([sum(t.info["success"] for t in trajectories), sum(t.score for t in trajectories),
+                           len(trajectories)], dtype=torch.float64)
+    if world_size > 1:
+        dist.all_reduce(totals)
+    return {"eval_success": (totals[0] / totals[2]).item(), "eval_score": (totals[1] / totals[2]).item()}
+
+
+def main(argv=None):
+    args = get_args(argv)
+    ddp, rank, local_rank, world_size, device = compute_init(args.device)
+    master = rank == 0
+    seed_everything(args.seed, rank)
+    assert args.prompts_per_step % world_size == 0, f"--prompts_per_step must divide over {world_size} ranks"
+    prompts_per_rank = args.prompts_per_step // world_size
+    dtype = autodetect_dtype(device.type)
+    out_dir = Path(args.out_dir)
+    trainer_state = None
+    checkpoint = latest_checkpoint(out_dir) if args.resume else None
+    assert not args.resume or checkpoint is not None, f"--resume: no checkpoint in {out_dir}"
+
+    # Starting weights: a checkpoint to resume, or the (warmed-up) model. Rank 0 warms up; the others wait for it.
+    if checkpoint is not None:
+        model_path, trainer_state = checkpoint, load_trainer_state(checkpoint)
+        print0(f"resuming from {checkpoint} (step {trainer_state['step']})")
+    elif args.warmup_steps > 0:
+        from sft import warm_up
+        if master:
+            warm_up(args.model, args.env, args.env_options, steps=args.warmup_steps, lr=args.warmup_lr,
+                    mistake_rate=args.warmup_mistake_rate, seed=args.seed, device=device)
+        if ddp:
+            dist.barrier()
+        model_path = warm_up(args.model, args.env, args.env_options, steps=args.warmup_steps, lr=args.warmup_lr,
+                             mistake_rate=args.warmup_mistake_rate, seed=args.seed, device=device)  # cached: just the path
+    else:
+        model_path = resolve_model_path(args.model)
+    policy, tokenizer = load_model(model_path, device=device, dtype=dtype)
+    policy.train()
+    critic = None
+    if args.algo == "ppo":  # the critic starts from the policy checkpoint (or is restored with it)
+        critic_path = Path(model_path) / "critic" if (Path(model_path) / "critic").exists() else model_path
+        critic = load_critic(critic_path, device=device, dtype=dtype).train()
+    reference = load_model(model_path if checkpoint is None else trainer_state["reference"], device=device,
+                           dtype=dtype)[0] if args.kl != "none" else None  # only loaded when KL is on
+    policy_optimizer = torch.optim.AdamW(policy.parameters(), lr=args.lr, betas=(0.9, 0.99), weight_decay=0.0)
+    critic_optimizer = torch.optim.AdamW(critic.parameters(), lr=args.critic_lr, weight_decay=0.0) if critic else None
+    start_step = 0
+    if trainer_state is not None:
+        policy_optimizer.load_state_dict(trainer_state["policy_optimizer"])
+        if critic_optimizer is not None:
+            critic_optimizer.load_state_dict(trainer_state["critic_optimizer"])
+        set_rng_state(trainer_state["rng"][rank])
+        start_step = trainer_state["step"]
+
+    if args.sampler == "vllm":
+        from nanoagent.sampler import VLLMSampler  # vLLM exists on GPU nodes only
+        sampler = VLLMSampler(str(model_path), seed=args.seed + rank, max_model_len=args.max_total_tokens)
+    else:
+        sampler = TorchSampler(policy, batch_size=32)  # shares the policy's weights: always in sync
+    make_env = envs.env_factory(args.env, args.env_options, data=args.data, split="train")
+    logger = None
+    if args.wandb and master:
+        import wandb  # optional: only when asked for
+        logger = wandb.init(project=args.wandb, config=vars(args))
+    if master:
+        out_dir.mkdir(parents=True, exist_ok=True)
+        (out_dir / "args.json").write_text(json.dumps(vars(args), indent=2))
+
+    history = trainer_state["history"] if trainer_state else []
+    if args.eval_every > 0 and start_step == 0:
+        history.append({"step": 0, **evaluate(sampler, tokenizer, args, rank, world_size)})
+        print0(f"step 0 | held-out success {history[-1]['eval_success']:.3f}")
+    progress = tqdm(range(start_step, args.steps), desc="RL", disable=not master, initial=start_step, total=args.steps)
+    run_start = time.time()
+    for step in progress:
+        # 1. Rollout: this rank's env seeds for this step (train seeds, never the eval range).
+        first_seed = (step * args.prompts_per_step + rank * prompts_per_rank) % envs.EVAL_SEED_START
+        seeds = [first_seed + i for i in range(prompts_per_rank)]
+        policy.eval()
+        trajectories = rollout.rollout(sampler, tokenizer, make_env, seeds, args.group_size, args.max_turns,
+                                       args.max_new_tokens, args.max_total_tokens, temperature=args.temperature,
+                                       sample_seed=args.seed * 1_000_003 + step, truncated_reward=args.truncated_reward)
+        policy.train()
+        group_stds = [statistics.pstdev([t.score for t in trajectories if t.group_id == g]) for g in range(len(seeds))]
+        # 2. StarPO-S: train on the groups whose outcomes differ (informative ones).
+        kept = keep_high_variance_groups(trajectories, args.filter_ratio) if args.filter_ratio < 1 else trajectories
+        batch = {key: value.to(device) for key, value in rollout.collate(kept, tokenizer.pad_token_id).items()}
+        input_ids, attention_mask = batch["input_ids"], batch["attention_mask"]  # (B, T)
+        # The loss mask: tokens the policy chose (or, in the ablation, every real token).
+        loss_mask = (attention_mask if args.no_action_mask else batch["action_mask"])[:, 1:].float()  # (B, T-1)
+        token_rewards = batch["token_rewards"][:, 1:].clone()  # (B, T-1), on each turn's last agent token
+
+        # 3. Score the batch with the pre-update policy (the "old" policy of the PPO ratio), reference, critic.
+        with torch.no_grad():
+            old_logprobs, _ = token_logprobs(policy, input_ids, attention_mask, args.temperature)
+            mismatch = logprob_mismatch(batch["sampler_logprobs"][:, 1:], old_logprobs, batch["action_mask"][:, 1:])
+            ref_logprobs = token_logprobs(reference, input_ids, attention_mask, args.temperature)[0] if reference else None
+            values = critic_values(critic, input_ids, attention_mask) if critic else None
+            if args.kl == "in_reward":  # Agent-R1's PPO: r_t -= β KL_t on every agent token
+                token_rewards -= args.kl_coef * masks.kl_estimate(old_logprobs, ref_logprobs, loss_mask, args.kl_estimator)
+
+            # 4. Credit assignment over agent tokens only (masks.py).
+            if args.algo == "ppo":
+                advantages, returns = masks.compute_gae(token_rewards, values, loss_mask, args.gamma, args.lam)
+                advantages = masks.masked_whiten(advantages, loss_mask)
+            elif args.algo == "grpo":
+                per_trajectory = masks.grpo_advantages(batch["scores"], batch["group_ids"], scale_by_std=not args.dr_grpo)  # (B,)
+                advantages = per_trajectory[:, None] * loss_mask  # broadcast over the trajectory's agent tokens
+            else:
+                advantages = masks.reinforce_pp_advantages(token_rewards, loss_mask, args.gamma)
+
+        # 5. Update: ppo_epochs passes over minibatches of trajectories.
+        num_rows = input_ids.shape[0]
+        minibatch_size = args.minibatch_size or num_rows
+        generator = torch.Generator().manual_seed(args.seed * 7919 + step)
+        stats = {"policy_loss": [], "value_loss": [], "entropy": [], "clip_fraction": [], "approx_kl": [], "grad_norm": []}
+        for _ in range(args.ppo_epochs):
+            order = torch.randperm(num_rows, generator=generator)
+            for start in range(0, num_rows, minibatch_size):
+                rows = order[start:start + minibatch_size].to(device)
+                mask = loss_mask[rows]
+                if critic is not None:  # clipped value loss: 0.5 max((V - R)^2, (clip(V) - R)^2)
+                    new_values = critic_values(critic, input_ids[rows], attention_mask[rows])
+                    clipped = values[rows] + (new_values - values[rows]).clamp(-args.value_clip, args.value_clip)
+                    value_loss = 0.5 * torch.max((new_values - returns[rows]) ** 2, (clipped - returns[rows]) ** 2)
+                    value_loss = masks.aggregate_loss(value_loss, mask, "token-mean")
+                    value_loss.backward()
+                    all_reduce_gradients(critic, world_size)
+                    torch.nn.utils.clip_grad_norm_(critic.parameters(), args.grad_clip)
+                    critic_optimizer.step()
+                    critic_optimizer.zero_grad(set_to_none=True)
+                    stats["value_loss"].append(value_loss.item())
+                if step < args.critic_warmup:
+                    continue  # the critic learns the returns before the policy follows its advantages
+                logprobs, entropy = token_logprobs(policy, input_ids[rows], attention_mask[rows], args.temperature,
+                                                   with_entropy=True)
+                loss, ratio = policy_loss(logprobs, old_logprobs[rows], advantages[rows], mask, args.clip_low,
+                                          args.clip_high, args.loss_agg, args.max_total_tokens)
+                if args.entropy_coef:
+                    loss = loss - args.entropy_coef * masks.aggregate_loss(entropy, mask, "token-mean")
+                if args.kl == "loss":  # the GRPO setting: β k3(π, π_ref) as a loss term
+                    kl = masks.kl_estimate(logprobs, ref_logprobs[rows], mask, args.kl_estimator)
+                    loss = loss + args.kl_coef * masks.aggregate_loss(kl, mask, "token-mean")
+                loss.backward()
+                all_reduce_gradients(policy, world_size)
+                grad_norm = torch.nn.utils.clip_grad_norm_(policy.parameters(), args.grad_clip)
+                policy_optimizer.step()
+                policy_optimizer.zero_grad(set_to_none=True)
+                with torch.no_grad():
+                    clipped_tokens = (ratio < 1 - args.clip_low) | (ratio > 1 + args.clip_high)
+                    stats["policy_loss"].append(loss.item())
+                    stats["entropy"].append(masks.masked_mean(entropy, mask).item())
+                    stats["clip_fraction"].append(masks.masked_mean(clipped_tokens.float(), mask).item())
+                    stats["approx_kl"].append(masks.masked_mean(0.5 * ratio.log() ** 2, mask).item())
+                    stats["grad_norm"].append(grad_norm.item())
+        # 6. Sync: TorchSampler samples from `policy` itself; vLLM gets the new weights pushed.
+        sampler.update_weights(policy)
+
+        # 7. Log: metrics averaged over ranks, monitors, eval, checkpoint.
+        local = {
+            "reward": statistics.fmean(t.score for t in trajectories),
+            "reward_std": statistics.pstdev([t.score for t in trajectories]),
+            "group_reward_std": statistics.fmean(group_stds),
+            "success": statistics.fmean(float(t.info["success"]) for t in trajectories),
+            "turns": statistics.fmean(t.num_turns for t in trajectories),
+            "tool_calls": statistics.fmean(t.info.get("tool_calls", 0) for t in trajectories),
+            "invalid_call_rate": sum(t.info.get("invalid_calls", 0) for t in trajectories)
+            / max(1, sum(t.info.get("tool_calls", 0) for t in trajectories)),
+            "response_tokens": statistics.fmean(sum(t.action_mask) for t in trajectories),
+            "truncated": statistics.fmean(float(t.truncated) for t in trajectories),
+            "logprob_mismatch": mismatch,
+            **{key: statistics.fmean(values) if values else 0.0 for key, values in stats.items()},
+        }
+        keys = sorted(local)
+        reduced = torch.tensor([local[key] for key in keys], dtype=torch.float64)
+        if world_size > 1:
+            dist.all_reduce(reduced)
+            reduced /= world_size
+        metrics = {"step": step + 1, **dict(zip(keys, reduced.tolist())), "kept_trajectories": num_rows,
+                   "elapsed_s": time.time() - run_start}
+        if args.eval_every > 0 and ((step + 1) % args.eval_every == 0 or step + 1 == args.steps):
+            policy.eval()
+            metrics.update(evaluate(sampler, tokenizer, args, rank, world_size))
+            policy.train()
+        history.append(metrics)
+        for warning in echo_trap_warnings([h for h in history if "grad_norm" in h]):
+            print0(f"WARNING step {step + 1}: {warning}")
+        if master:
+            with open(out_dir / "metrics.jsonl", "a") as log_file:
+                log_file.write(json.dumps(metrics) + "\n")
+            if logger is not None:
+                logger.log(metrics, step=step + 1)
+            progress.set_postfix(reward=f"{metrics['reward']:.2f}", success=f"{metrics['success']:.2f}",
+                                 eval=f"{metrics.get('eval_success', float('nan')):.2f}")
+        if (step + 1) % args.save_every == 0 or step + 1 == args.steps:
+            rng_states = [None] * world_size
+            if world_size > 1:
+                dist.all_gather_object(rng_states, rng_state())
+            else:
+                rng_states = [rng_state()]
+            if master:
+                save_checkpoint(out_dir, step + 1, policy, tokenizer, critic=critic, trainer_state={
+                    "step": step + 1, "policy_optimizer": policy_optimizer.state_dict(),
+                    "critic_optimizer": critic_optimizer.state_dict() if critic_optimizer else None,
+                    "rng": rng_states, "history": history, "args": vars(args),
+                    "reference": str(trainer_state["reference"] if trainer_state else model_path)})
+            if ddp:
+                dist.barrier()
+    print0(f"done: {args.steps} steps in {time.time() - run_start:.0f}s; checkpoints in {out_dir}")
+    compute_cleanup()
+    return policy, history
+
+
+if __name__ == "__main__":
+    main()
