@@ -128,6 +128,7 @@ class ToolEnv:
       - a turn with neither gets `format_penalty` and a {"role": "user"} message saying what to write.
     The episode also ends after `max_turns` turns, then with no outcome reward."""
     system_prompt = "Answer the question. Give the final answer as <answer>...</answer>."
+    warmup_options = {}  # constructor options of an easier version, for the warm-up's first phase (sft.py)
 
     def __init__(self, max_turns=4, outcome_reward=1.0, format_penalty=-0.1, format_reward=0.0,
                  process_reward=0.0, require_think=False, max_calls_per_turn=2):
@@ -324,6 +325,9 @@ class SyntheticQAEnv(ToolEnv):
     reward goes to a search that reveals the next hop's fact."""
     system_prompt = ("Answer the question. Call search with a name to get its facts, "
                      "then answer as <answer>name</answer>.")
+    # One-hop questions teach a tiny model to copy a name from its context in well under a minute; with
+    # two hops the same jump comes several times later (sft.py, phase 1).
+    warmup_options = {"hops": 1}
 
     def __init__(self, hops=2, entities_per_type=3, distractor_facts=0, **options):
         assert 1 <= hops <= 3, f"hops must be 1, 2 or 3, got {hops}"
@@ -457,6 +461,7 @@ class GameEnv:
     <answer>, an unknown action, or (with `require_think`) no leading <think> executes nothing and
     gets `format_penalty` and an observation saying what was wrong."""
     rules, actions = "", []
+    warmup_options = {}  # constructor options of an easier version, for the warm-up's first phase (sft.py)
 
     def __init__(self, max_turns=5, max_actions_per_turn=3, format_penalty=-0.1, require_think=False):
         assert max_turns >= 1 and max_actions_per_turn >= 1, "max_turns and max_actions_per_turn must be >= 1"

@@ -6,11 +6,16 @@ not, so none of its rollouts ever earns a reward, every GRPO group is flat, and 
 The fix (the "cold start" SFT of DeepSeek-R1 and most agent-RL recipes) is a short supervised pass on
 demonstration episodes before RL.
 
-The demonstrations must teach the *format* without solving the *task*, or RL has nothing left to do.
-So most of them are wrong, in the ways a weak agent is wrong (SyntheticQAEnv.demonstration with a
-mistake rate): searching the wrong entity, repeating a query, answering with the intermediate entity
-instead of the final one. Uniform noise would not do: the right entity would stay the most likely
-token everywhere, and greedy decoding would already be near perfect.
+The warm-up must leave a *weak* agent, or RL has nothing left to do. It runs in two phases:
+  1. correct demonstrations of an easier version of the task (the env's `warmup_options`: one-hop
+     questions for the synthetic search task), until the model has the skill the task needs: copy a
+     name from a question or a search result into the next query;
+  2. flawed demonstrations, wrong in the ways a weak agent is wrong (SyntheticQAEnv.demonstration with
+     a mistake rate): searching the wrong entity, repeating a query, answering with the intermediate
+     entity instead of the final one. The model keeps the skill and learns to misuse it: on the
+     default settings its held-out success falls to a few percent.
+Uniform noise would not do for phase 2: the right entity would stay the most likely token everywhere,
+and greedy decoding would already be near perfect.
 
 The loss is next-token cross-entropy on the assistant's tokens only (each assistant turn and its
 closing <|im_end|>), the same action mask RL uses: the model learns to act, not to predict tool output.
@@ -72,58 +77,74 @@ def tokenize_conversation(tokenizer, messages, tool_schemas):
     return input_ids, assistant_token_mask(tokenizer, input_ids)
 
 
-def warm_up(model_name, env_name, env_kwargs, steps=600, batch_size=16, lr=3e-3, mistake_rate=0.5,
-            num_episodes=4000, seed=0, device="cpu"):
-    """Supervised warm-up of `model_name` on noisy demonstrations of `env_name`; returns the checkpoint path.
+def demonstrations(tokenizer, env_class, env_kwargs, num_episodes, mistake_rate, rng, first_seed):
+    """Tokenized demonstration episodes on training seeds first_seed, first_seed + 1, ...: [(ids, mask)]."""
+    examples, solved = [], 0
+    for seed in range(first_seed, first_seed + num_episodes):
+        messages, tool_schemas, success = demonstration_episode(env_class(**env_kwargs), seed, mistake_rate, rng)
+        examples.append(tokenize_conversation(tokenizer, messages, tool_schemas))
+        solved += success
+    print0(f"warm-up: {num_episodes} demonstrations at mistake rate {mistake_rate}, "
+           f"{solved / num_episodes:.0%} of them solve their task")
+    return examples
 
-    Cached under the nanoagent cache directory, keyed by every argument, so a second call is free.
-    Episodes use training seeds only (below envs.EVAL_SEED_START).
+
+def warm_up(model_name, env_name, env_kwargs, clean_steps=1200, steps=300, batch_size=16, lr=3e-3,
+            mistake_rate=0.6, num_episodes=3000, seed=0, device="cpu"):
+    """Supervised warm-up of `model_name` on demonstrations of `env_name`; returns the checkpoint path.
+
+    Two phases: `clean_steps` on correct demonstrations, then `steps` on flawed ones (each decision
+    wrong with probability `mistake_rate`). Cached under the nanoagent cache directory, keyed by every
+    argument, so a second call is free. Episodes use training seeds only (below envs.EVAL_SEED_START).
     """
     model_name = resolve_model_path(model_name)  # 'tiny' -> its recipe-hashed directory, part of the key
-    settings = dict(model=str(model_name), env=env_name, env_kwargs=env_kwargs, steps=steps, batch_size=batch_size,
-                    lr=lr, mistake_rate=mistake_rate, num_episodes=num_episodes, seed=seed)
+    settings = dict(model=str(model_name), env=env_name, env_kwargs=env_kwargs, clean_steps=clean_steps, steps=steps,
+                    batch_size=batch_size, lr=lr, mistake_rate=mistake_rate, num_episodes=num_episodes, seed=seed)
     key = hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()[:12]
     path = cache_dir() / "warmup" / f"{Path(str(model_name)).name}-{env_name}-{key}"
     if (path / "config.json").exists():
-        print0(f"warm-up: using the cached checkpoint {path}")
+        print0(f"warm-up: cached, using {path.relative_to(cache_dir())} in the nanoagent cache")
         return path
     env_class = envs.ENVS[env_name]
     assert hasattr(env_class, "demonstration"), f"--env {env_name} has no demonstrations: pass --warmup_steps 0"
     model, tokenizer = load_model(model_name, device=device)
     model.train()
     rng = random.Random(seed)
-    examples, solved = [], 0
-    for episode in range(num_episodes):
-        messages, tool_schemas, success = demonstration_episode(env_class(**env_kwargs), episode, mistake_rate, rng)
-        examples.append(tokenize_conversation(tokenizer, messages, tool_schemas))
-        solved += success
-    print0(f"warm-up: {num_episodes} demonstrations, {solved / num_episodes:.0%} of them solve their task")
-
+    # Phase 1 builds the skill: from correct demonstrations a tiny model learns to copy a name from its
+    # context into a query, in a sudden transition a few hundred steps in (an induction-head-like jump).
+    # From flawed demonstrations alone that jump does not come within minutes: most of their names are
+    # not in the context to be copied. (An instruct model arrives with the skill from pretraining.)
+    # Phase 2 makes it a weak agent again: it keeps the skill but learns to misuse it, so RL starts low.
+    phases = [(clean_steps, 0.0), (steps, mistake_rate)]
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
-    # A short linear warm-up, then constant: a tiny model learns to copy names from its context in a
-    # sudden transition a few hundred steps in (an induction-head-like jump), and decaying the rate
-    # before it comes only delays it.
+    # A short linear warm-up, then constant: decaying the rate before the jump only delays it.
     schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: min(1.0, (step + 1) / 20))
     generator = torch.Generator().manual_seed(seed)
-    progress = tqdm(range(steps), desc="warm-up (SFT)")
-    for _ in progress:
-        batch = [examples[i] for i in torch.randint(len(examples), (batch_size,), generator=generator)]
-        length = max(len(ids) for ids, _ in batch)
-        input_ids = torch.full((batch_size, length), tokenizer.pad_token_id)  # (B, T), right padded
-        loss_mask = torch.zeros(batch_size, length)  # (B, T)
-        for row, (ids, mask) in enumerate(batch):
-            input_ids[row, :len(ids)] = torch.tensor(ids)
-            loss_mask[row, :len(mask)] = torch.tensor(mask, dtype=torch.float)
-        input_ids, loss_mask = input_ids.to(device), loss_mask.to(device)
-        logits = model(input_ids).logits[:, :-1]  # (B, T-1, V): position t predicts token t+1
-        token_loss = torch.nn.functional.cross_entropy(logits.transpose(1, 2), input_ids[:, 1:], reduction="none")
-        loss = (token_loss * loss_mask[:, 1:]).sum() / loss_mask[:, 1:].sum()
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        optimizer.step()
-        schedule.step()
-        optimizer.zero_grad(set_to_none=True)
-        progress.set_postfix(loss=f"{loss.item():.3f}")
+    for phase, (phase_steps, phase_mistake_rate) in enumerate(phases):
+        if phase_steps == 0:
+            continue
+        kwargs = {**env_kwargs, **env_class.warmup_options} if phase == 0 else env_kwargs  # phase 1: the easy version
+        examples = demonstrations(tokenizer, env_class, kwargs, num_episodes, phase_mistake_rate, rng,
+                                  first_seed=phase * num_episodes)
+        progress = tqdm(range(phase_steps), desc=f"warm-up (SFT), {'correct' if phase == 0 else 'flawed'} demos")
+        for _ in progress:
+            batch = [examples[i] for i in torch.randint(len(examples), (batch_size,), generator=generator)]
+            length = max(len(ids) for ids, _ in batch)
+            input_ids = torch.full((batch_size, length), tokenizer.pad_token_id)  # (B, T), right padded
+            loss_mask = torch.zeros(batch_size, length)  # (B, T)
+            for row, (ids, mask) in enumerate(batch):
+                input_ids[row, :len(ids)] = torch.tensor(ids)
+                loss_mask[row, :len(mask)] = torch.tensor(mask, dtype=torch.float)
+            input_ids, loss_mask = input_ids.to(device), loss_mask.to(device)
+            logits = model(input_ids).logits[:, :-1]  # (B, T-1, V): position t predicts token t+1
+            token_loss = torch.nn.functional.cross_entropy(logits.transpose(1, 2), input_ids[:, 1:], reduction="none")
+            loss = (token_loss * loss_mask[:, 1:]).sum() / loss_mask[:, 1:].sum()
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            optimizer.step()
+            schedule.step()
+            optimizer.zero_grad(set_to_none=True)
+            progress.set_postfix(loss=f"{loss.item():.3f}")
 
     def save(directory):
         model.save_pretrained(directory)

@@ -59,8 +59,9 @@ def get_args(argv=None):
     parser.add_argument("--model", default="tiny", help="Hub name, local checkpoint directory, or 'tiny'")
     parser.add_argument("--device", default=None, choices=["cpu", "cuda"], help="default: cuda if available")
     # Supervised warm-up (sft.py)
-    parser.add_argument("--warmup_steps", type=int, default=600, help="SFT steps on demonstrations before RL (0: off)")
-    parser.add_argument("--warmup_mistake_rate", type=float, default=0.6, help="chance each demonstration decision is wrong")
+    parser.add_argument("--warmup_clean_steps", type=int, default=1200, help="SFT steps on correct demonstrations of the easy version")
+    parser.add_argument("--warmup_steps", type=int, default=300, help="then SFT steps on flawed demonstrations (0: no warm-up at all)")
+    parser.add_argument("--warmup_mistake_rate", type=float, default=0.6, help="chance each flawed-demonstration decision is wrong")
     parser.add_argument("--warmup_lr", type=float, default=3e-3)
     # Environment
     parser.add_argument("--env", default="synthetic_qa", choices=sorted(envs.ENVS))
@@ -91,7 +92,7 @@ def get_args(argv=None):
     parser.add_argument("--loss_agg", default="token-mean", choices=["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"])
     parser.add_argument("--no_action_mask", action="store_true", help="ablation: environment tokens enter the loss too")
     # Optimization
-    parser.add_argument("--steps", type=int, default=60)
+    parser.add_argument("--steps", type=int, default=100)
     parser.add_argument("--ppo_epochs", type=int, default=1)
     parser.add_argument("--minibatch_size", type=int, default=None, help="trajectories per update (default: all)")
     parser.add_argument("--lr", type=float, default=1e-3)
@@ -231,6 +232,8 @@ def main(argv=None):
     trainer_state = None
     checkpoint = latest_checkpoint(out_dir) if args.resume else None
     assert not args.resume or checkpoint is not None, f"--resume: no checkpoint in {out_dir}"
+    assert args.resume or latest_checkpoint(out_dir) is None, \
+        f"{out_dir} already holds a run: pass --resume to continue it, or choose another --out_dir"
 
     # Starting weights: a checkpoint to resume, or the (warmed-up) model. Rank 0 warms up; the others wait for it.
     if checkpoint is not None:
@@ -239,12 +242,13 @@ def main(argv=None):
     elif args.warmup_steps > 0:
         from sft import warm_up
         if master:
-            warm_up(args.model, args.env, args.env_options, steps=args.warmup_steps, lr=args.warmup_lr,
-                    mistake_rate=args.warmup_mistake_rate, seed=args.seed, device=device)
+            warm_up(args.model, args.env, args.env_options, clean_steps=args.warmup_clean_steps, steps=args.warmup_steps,
+                    lr=args.warmup_lr, mistake_rate=args.warmup_mistake_rate, seed=args.seed, device=device)
         if ddp:
             dist.barrier()
-        model_path = warm_up(args.model, args.env, args.env_options, steps=args.warmup_steps, lr=args.warmup_lr,
-                             mistake_rate=args.warmup_mistake_rate, seed=args.seed, device=device)  # cached: just the path
+        model_path = warm_up(args.model, args.env, args.env_options, clean_steps=args.warmup_clean_steps,
+                             steps=args.warmup_steps, lr=args.warmup_lr, mistake_rate=args.warmup_mistake_rate,
+                             seed=args.seed, device=device)  # cached now: only returns the path
     else:
         model_path = resolve_model_path(args.model)
     policy, tokenizer = load_model(model_path, device=device, dtype=dtype)

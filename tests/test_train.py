@@ -17,7 +17,7 @@ from rollout import Trajectory
 
 REPO = Path(__file__).resolve().parent.parent
 # Half a minute of SFT teaches the bandit's answer format, picking arms half and half (cached across tests).
-BANDIT = ["--env", "bandit", "--warmup_steps", "300", "--warmup_mistake_rate", "0.5", "--max_turns", "1",
+BANDIT = ["--env", "bandit", "--warmup_clean_steps", "0", "--warmup_steps", "300", "--warmup_mistake_rate", "0.5", "--max_turns", "1",
           "--max_new_tokens", "8", "--max_total_tokens", "160", "--prompts_per_step", "4", "--group_size", "4",
           "--eval_every", "0", "--lr", "1e-3"]
 
@@ -150,6 +150,8 @@ def test_resume_gives_the_same_weights_as_an_unbroken_run(tmp_path):
     assert [json.loads(line)["step"] for line in lines] == [1, 2, 3, 4]
     assert (tmp_path / "broken" / "step_000004" / "critic" / "config.json").exists()
     assert (tmp_path / "broken" / "latest").read_text().strip() == "step_000004"
+    with pytest.raises(AssertionError, match="already holds a run"):  # never silently overwrite a run
+        train.main(common + ["--steps", "4", "--out_dir", str(tmp_path / "straight")])
 
 
 def test_torchrun_two_processes_end_with_identical_weights(tmp_path):
