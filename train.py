@@ -29,7 +29,6 @@ an asynchronous rollout/update pipeline, and learning-rate schedules. Everything
 import argparse
 import json
 import math
-import os
 import statistics
 import time
 from pathlib import Path

@@ -9,8 +9,6 @@ from pathlib import Path
 import pytest
 import torch
 
-import masks
-import rollout
 import train
 from nanoagent.models import load_model
 from rollout import Trajectory
