@@ -383,6 +383,7 @@ def main(argv=None):
             "invalid_call_rate": sum(t.info.get("invalid_calls", 0) for t in trajectories)
             / max(1, sum(t.info.get("tool_calls", 0) for t in trajectories)),
             "response_tokens": statistics.fmean(sum(t.action_mask) for t in trajectories),
+            "trajectory_tokens": statistics.fmean(len(t.token_ids) for t in trajectories),
             "truncated": statistics.fmean(float(t.truncated) for t in trajectories),
             "logprob_mismatch": mismatch,
             **{key: statistics.fmean(values) if values else 0.0 for key, values in stats.items()},
