@@ -19,8 +19,9 @@ One step, top to bottom:
   7. log       one JSON line per step, a tqdm bar, Echo-Trap monitors (RAGEN), eval, atomic checkpoints
 
 The tiny model starts from random weights and cannot know the tool-call format, so the default run first
-performs a short, cached supervised warm-up on deliberately flawed demonstrations (sft.py); pass
---warmup_steps 0 for an instruct model that already knows the format.
+performs a short, cached supervised warm-up (sft.py: correct demonstrations of an easy version, then
+flawed ones, so RL starts from a weak agent); pass --warmup_steps 0 for an instruct model that already
+knows the format.
 
 Deliberately left out: sequence packing, FSDP/tensor parallelism (each rank holds the whole model),
 an asynchronous rollout/update pipeline, and learning-rate schedules. Everything fits on one screen instead.
@@ -40,6 +41,7 @@ from tqdm import tqdm
 import envs
 import masks
 import rollout
+import sft
 from nanoagent.checkpoint import latest_checkpoint, load_trainer_state, rng_state, save_checkpoint, set_rng_state
 from nanoagent.common import autodetect_dtype, compute_cleanup, compute_init, print0, seed_everything
 from nanoagent.models import load_critic, load_model, resolve_model_path
@@ -130,6 +132,13 @@ def get_args(argv=None):
     check(args.kl != "in_reward" or args.algo != "grpo", "--kl in_reward needs per-token credit: use --kl loss with GRPO")
     check(args.env != "search_qa" or args.data, "--env search_qa needs --data (a Hub name or a local file)")
     return args
+
+
+def warm_up(args, device="cpu"):
+    """sft.warm_up with this run's flags; returns the warmed-up checkpoint (cached: later calls are free)."""
+    return sft.warm_up(args.model, args.env, args.env_options, clean_steps=args.warmup_clean_steps,
+                       steps=args.warmup_steps, lr=args.warmup_lr, mistake_rate=args.warmup_mistake_rate,
+                       seed=args.seed, device=device)
 
 
 def token_logprobs(model, input_ids, attention_mask, temperature, with_entropy=False):
@@ -239,15 +248,12 @@ def main(argv=None):
         model_path, trainer_state = checkpoint, load_trainer_state(checkpoint)
         print0(f"resuming from {checkpoint} (step {trainer_state['step']})")
     elif args.warmup_steps > 0:
-        from sft import warm_up
         if master:
-            warm_up(args.model, args.env, args.env_options, clean_steps=args.warmup_clean_steps, steps=args.warmup_steps,
-                    lr=args.warmup_lr, mistake_rate=args.warmup_mistake_rate, seed=args.seed, device=device)
+            model_path = warm_up(args, device)
         if ddp:
             dist.barrier()
-        model_path = warm_up(args.model, args.env, args.env_options, clean_steps=args.warmup_clean_steps,
-                             steps=args.warmup_steps, lr=args.warmup_lr, mistake_rate=args.warmup_mistake_rate,
-                             seed=args.seed, device=device)  # cached now: only returns the path
+        if not master:
+            model_path = warm_up(args, device)  # cached by rank 0 by now: only returns the path
     else:
         model_path = resolve_model_path(args.model)
     policy, tokenizer = load_model(model_path, device=device, dtype=dtype)
@@ -299,7 +305,7 @@ def main(argv=None):
         policy.train()
         group_stds = [statistics.pstdev([t.score for t in trajectories if t.group_id == g]) for g in range(len(seeds))]
         # 2. StarPO-S: train on the groups whose outcomes differ (informative ones).
-        kept = keep_high_variance_groups(trajectories, args.filter_ratio) if args.filter_ratio < 1 else trajectories
+        kept = keep_high_variance_groups(trajectories, args.filter_ratio)  # filter_ratio 1.0 keeps them all
         batch = {key: value.to(device) for key, value in rollout.collate(kept, tokenizer.pad_token_id).items()}
         input_ids, attention_mask = batch["input_ids"], batch["attention_mask"]  # (B, T)
         # The loss mask: tokens the policy chose (or, in the ablation, every real token).
