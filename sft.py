@@ -95,18 +95,23 @@ def warm_up(model_name, env_name, env_kwargs, clean_steps=1200, steps=300, batch
 
     Two phases: `clean_steps` on correct demonstrations, then `steps` on flawed ones (each decision
     wrong with probability `mistake_rate`). Cached under the nanoagent cache directory, keyed by every
-    argument, so a second call is free. Episodes use training seeds only (below envs.EVAL_SEED_START).
+    argument and a sample demonstration's text, so a second call is free. Episodes use training seeds
+    only (below envs.EVAL_SEED_START).
     """
     model_name = resolve_model_path(model_name)  # 'tiny' -> its recipe-hashed directory, part of the key
+    env_class = envs.ENVS[env_name]
+    assert hasattr(env_class, "demonstration"), f"--env {env_name} has no demonstrations: pass --warmup_steps 0"
+    # The key also covers what a demonstration looks like (the env's prompt, its tool schemas, its
+    # phrasing), so editing the env trains a new warm-up instead of reusing weights fitted to old text.
+    sample = json.dumps(demonstration_episode(env_class(**env_kwargs), 0, 0.0, random.Random(0)))
     settings = dict(model=str(model_name), env=env_name, env_kwargs=env_kwargs, clean_steps=clean_steps, steps=steps,
-                    batch_size=batch_size, lr=lr, mistake_rate=mistake_rate, num_episodes=num_episodes, seed=seed)
+                    batch_size=batch_size, lr=lr, mistake_rate=mistake_rate, num_episodes=num_episodes, seed=seed,
+                    demonstration=hashlib.sha256(sample.encode()).hexdigest()[:12])
     key = hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()[:12]
     path = cache_dir() / "warmup" / f"{Path(str(model_name)).name}-{env_name}-{key}"
     if (path / "config.json").exists():
         print0(f"warm-up: cached, using {path.relative_to(cache_dir())} in the nanoagent cache")
         return path
-    env_class = envs.ENVS[env_name]
-    assert hasattr(env_class, "demonstration"), f"--env {env_name} has no demonstrations: pass --warmup_steps 0"
     model, tokenizer = load_model(model_name, device=device)
     model.train()
     rng = random.Random(seed)

@@ -267,8 +267,9 @@ def calculator_tool() -> Tool:
     return Tool(name="calculator",
                 description="Evaluate an arithmetic expression with + - * / ** (or ^) and parentheses, "
                             "e.g. (2.5 + 3) * -4.",
-                parameters={"type": "object", "required": ["expression"], "properties": {
-                    "expression": {"type": "string", "description": "The arithmetic expression to evaluate."}}},
+                parameters={"type": "object", "properties": {
+                    "expression": {"type": "string", "description": "The arithmetic expression to evaluate."}},
+                    "required": ["expression"]},
                 function=calculate)
 
 # -----------------------------------------------------------------------------
@@ -353,6 +354,7 @@ def search_tool(corpus: list[dict], top_k: int = 3, max_chars: int = 1500) -> To
 
     return Tool(name="search",
                 description="Search the knowledge base; returns the most relevant passages with their titles.",
-                parameters={"type": "object", "required": ["query"], "properties": {
-                    "query": {"type": "string", "description": "What to search for, in a few keywords."}}},
+                parameters={"type": "object", "properties": {
+                    "query": {"type": "string", "description": "What to search for, in a few keywords."}},
+                    "required": ["query"]},
                 function=search)

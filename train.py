@@ -11,7 +11,8 @@ Train an LLM agent with multi-turn RL: PPO (with a critic), GRPO / Dr.GRPO, or R
 One step, top to bottom:
   1. rollout   every rank plays its share of prompts_per_step env seeds x group_size samples (rollout.py)
   2. filter    StarPO-S: keep the groups whose rewards vary most (--filter_ratio)
-  3. score     old log-probs (pre-update policy), reference log-probs (KL), values (critic), per-token rewards
+  3. score     old log-probs (pre-update policy; a single update reuses its own forward pass), reference
+               log-probs (KL), values (critic), per-token rewards
   4. credit    advantages over agent tokens only: GAE, GRPO, or REINFORCE++ (masks.py)
   5. update    clipped surrogate with decoupled bounds, through the action mask; critic with clipped value
                loss; gradients all-reduced across ranks; gradient clipping
@@ -141,16 +142,26 @@ def warm_up(args, device="cpu"):
                        seed=args.seed, device=device)
 
 
-def token_logprobs(model, input_ids, attention_mask, temperature, with_entropy=False):
+def token_logprobs(model, input_ids, attention_mask, temperature, positions=None, with_entropy=False):
     """Log-prob of every token given the ones before it, at the sampling temperature: (B, T-1).
 
-    Position t's logits predict token t+1, so the result is aligned with input_ids[:, 1:]. The sampler
-    reports log-softmax(logits / T) of what it sampled, so the trainer scores with the same T.
+    Position t's hidden state predicts token t+1, so the result is aligned with input_ids[:, 1:]. The
+    sampler reports log-softmax(logits / T) of what it sampled, so the trainer scores with the same T.
+    With `positions` (B, T-1), only the marked positions go through the LM head, and the others are 0.
+    The head and its vocabulary-wide softmax are most of a small model's work, and most of a
+    trajectory is prompt and environment tokens whose log-probs no loss reads.
     """
-    logits = model(input_ids=input_ids, attention_mask=attention_mask).logits[:, :-1].float()  # (B, T-1, V)
-    logprobs_all = torch.log_softmax(logits / temperature, dim=-1)
-    logprobs = logprobs_all.gather(-1, input_ids[:, 1:, None]).squeeze(-1)  # (B, T-1)
-    entropy = -(logprobs_all.exp() * logprobs_all).sum(-1) if with_entropy else None  # (B, T-1)
+    assert getattr(model.config, "final_logit_softcapping", None) is None, "logits = lm_head(hidden) is assumed"
+    hidden = model.base_model(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state  # (B, T, D)
+    keep = (attention_mask[:, 1:] if positions is None else positions).bool()  # (B, T-1)
+    logits = model.get_output_embeddings()(hidden[:, :-1][keep]).float() / temperature  # (K, V), K kept positions
+    logprobs_all = torch.log_softmax(logits, dim=-1)
+    logprobs = torch.zeros(keep.shape, dtype=logits.dtype, device=logits.device)  # (B, T-1)
+    logprobs[keep] = logprobs_all.gather(-1, input_ids[:, 1:][keep, None]).squeeze(-1)
+    entropy = None
+    if with_entropy:
+        entropy = torch.zeros_like(logprobs)  # (B, T-1)
+        entropy[keep] = -(logprobs_all.exp() * logprobs_all).sum(-1)
     return logprobs, entropy
 
 
@@ -313,10 +324,19 @@ def main(argv=None):
         token_rewards = batch["token_rewards"][:, 1:].clone()  # (B, T-1), on each turn's last agent token
 
         # 3. Score the batch with the pre-update policy (the "old" policy of the PPO ratio), reference, critic.
+        # A single update over the whole batch starts from these very weights, so its own forward pass
+        # gives the old log-probs (detached): one forward pass fewer, as in TRL. KL in the reward needs
+        # them before the update, and further updates need them unchanged, so those keep this pass.
+        num_rows = input_ids.shape[0]
+        minibatch_size = args.minibatch_size or num_rows
+        single_update = (args.ppo_epochs == 1 and minibatch_size >= num_rows and args.kl != "in_reward"
+                         and step >= args.critic_warmup)
         with torch.no_grad():
-            old_logprobs, _ = token_logprobs(policy, input_ids, attention_mask, args.temperature)
-            mismatch = logprob_mismatch(batch["sampler_logprobs"][:, 1:], old_logprobs, batch["action_mask"][:, 1:])
-            ref_logprobs = token_logprobs(reference, input_ids, attention_mask, args.temperature)[0] if reference else None
+            if not single_update:
+                old_logprobs, _ = token_logprobs(policy, input_ids, attention_mask, args.temperature, loss_mask)
+                mismatch = logprob_mismatch(batch["sampler_logprobs"][:, 1:], old_logprobs, batch["action_mask"][:, 1:])
+            ref_logprobs = (token_logprobs(reference, input_ids, attention_mask, args.temperature, loss_mask)[0]
+                            if reference else None)
             values = critic_values(critic, input_ids, attention_mask) if critic else None
             if args.kl == "in_reward":  # Agent-R1's PPO: r_t -= β KL_t on every agent token
                 token_rewards -= args.kl_coef * masks.kl_estimate(old_logprobs, ref_logprobs, loss_mask, args.kl_estimator)
@@ -332,8 +352,6 @@ def main(argv=None):
                 advantages = masks.reinforce_pp_advantages(token_rewards, loss_mask, args.gamma)
 
         # 5. Update: ppo_epochs passes over minibatches of trajectories.
-        num_rows = input_ids.shape[0]
-        minibatch_size = args.minibatch_size or num_rows
         generator = torch.Generator().manual_seed(args.seed * 7919 + step)
         stats = {"policy_loss": [], "value_loss": [], "entropy": [], "clip_fraction": [], "approx_kl": [], "grad_norm": []}
         for _ in range(args.ppo_epochs):
@@ -355,8 +373,13 @@ def main(argv=None):
                 if step < args.critic_warmup:
                     continue  # the critic learns the returns before the policy follows its advantages
                 logprobs, entropy = token_logprobs(policy, input_ids[rows], attention_mask[rows], args.temperature,
-                                                   with_entropy=True)
-                loss, ratio = policy_loss(logprobs, old_logprobs[rows], advantages[rows], mask, args.clip_low,
+                                                   mask, with_entropy=True)
+                if single_update:
+                    old = logprobs.detach()
+                    mismatch = logprob_mismatch(batch["sampler_logprobs"][rows, 1:], old, batch["action_mask"][rows, 1:])
+                else:
+                    old = old_logprobs[rows]
+                loss, ratio = policy_loss(logprobs, old, advantages[rows], mask, args.clip_low,
                                           args.clip_high, args.loss_agg, args.max_total_tokens)
                 if args.entropy_coef:
                     loss = loss - args.entropy_coef * masks.aggregate_loss(entropy, mask, "token-mean")

@@ -120,16 +120,22 @@ class TorchSampler:
     @torch.inference_mode()
     def _generate_batch(self, prompts, max_new_tokens, temperature, top_p, stop_token_ids, seeds):
         device = next(self.model.parameters()).device
-        num_rows, width = len(prompts), max(len(prompt) for prompt in prompts)
+        num_rows = len(prompts)
+        # The members of a GRPO group start from the same prompt: prefill each distinct prompt once, then
+        # copy its cache rows to every row that shares it (vLLM's prefix cache does this and more).
+        distinct = {}  # prompt -> its row in the prefill batch
+        copy_of = torch.tensor([distinct.setdefault(tuple(prompt), len(distinct)) for prompt in prompts],
+                               device=device)  # (B,)
+        width = max(len(prompt) for prompt in distinct)
         # Left padding: every row's last prompt token sits in the last column, so one step appends one
         # column for everyone. Pad positions are masked out of attention, and position ids count real
         # tokens only, so a padded row computes what it would compute alone.
-        input_ids = torch.zeros(num_rows, width, dtype=torch.long, device=device)  # (B, L)
-        attention_mask = torch.zeros(num_rows, width, dtype=torch.long, device=device)  # (B, L)
-        for row, prompt in enumerate(prompts):
+        input_ids = torch.zeros(len(distinct), width, dtype=torch.long, device=device)  # (U, L), U distinct prompts
+        attention_mask = torch.zeros(len(distinct), width, dtype=torch.long, device=device)  # (U, L)
+        for row, prompt in enumerate(distinct):
             input_ids[row, width - len(prompt):] = torch.tensor(prompt, device=device)
             attention_mask[row, width - len(prompt):] = 1
-        position_ids = (attention_mask.cumsum(dim=1) - 1).clamp(min=0)  # (B, L)
+        position_ids = (attention_mask.cumsum(dim=1) - 1).clamp(min=0)  # (U, L)
         # Each row draws all its uniforms up front from its own seed: its samples cannot depend on the batch.
         uniforms = torch.zeros(num_rows, max(max_new_tokens))  # (B, max_new_tokens)
         for row, (limit, seed) in enumerate(zip(max_new_tokens, seeds)):
@@ -139,8 +145,10 @@ class TorchSampler:
         live = list(range(num_rows))  # the original row of each row still in the batch
         cache = DynamicCache(config=self.model.config)
         logits = self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                            past_key_values=cache, use_cache=True, logits_to_keep=1).logits[:, -1]  # (B, V)
-        next_position = position_ids[:, -1] + 1  # (B,)
+                            past_key_values=cache, use_cache=True, logits_to_keep=1).logits[:, -1]  # (U, V)
+        cache.batch_select_indices(copy_of)  # (U, ...) -> (B, ...)
+        logits, attention_mask = logits[copy_of], attention_mask[copy_of]  # (B, V), (B, L)
+        next_position = position_ids[copy_of, -1] + 1  # (B,)
         while True:
             step = len(generations[live[0]].token_ids)  # every live row has sampled the same number of tokens
             tokens, logprobs = sample_tokens(logits, temperature, top_p, uniforms[live, step])

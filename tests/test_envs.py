@@ -1,10 +1,12 @@
 """Tests for envs.py: hand-worked transitions, reward sums, format penalties, solvability by an
 independent BFS, slip frequencies, answer normalisation, and the dataset loaders on shipped samples."""
+import json
 import re
 from collections import Counter, deque
 from pathlib import Path
 
 import pytest
+from transformers.utils import get_json_schema
 
 import envs
 import tools
@@ -43,6 +45,18 @@ def test_eval_seeds_are_disjoint_from_training_seeds():
 
 # -----------------------------------------------------------------------------
 # Synthetic multi-hop QA
+
+
+def test_synthetic_search_schema_equals_transformers_schema_of_a_documented_function():
+    # What bench/bench_trl.py relies on: TRL renders the same tool from a Python method's docstring.
+    def search(query: str):
+        """Look up a name; returns the facts about it.
+
+        Args:
+            query: A name.
+        """
+    _, schemas = envs.SyntheticQAEnv().reset(0)
+    assert json.dumps(schemas) == json.dumps([get_json_schema(search)])
 
 
 def test_synthetic_two_hop_question_solved_by_two_searches():
@@ -140,6 +154,17 @@ def test_turn_without_action_gets_format_penalty_and_explanation():
     (observation,) = result.observations
     assert observation["role"] == "user"
     assert "<tool_call>" in observation["content"] and "<answer>" in observation["content"]
+
+
+def test_end_on_format_error_ends_the_episode_at_the_first_malformed_turn():
+    for reply in ("The answer must be somewhere.", '<tool_call>\n{"name": "search", "arguments": {"query": "Oak'):
+        env = envs.SyntheticQAEnv(end_on_format_error=True)
+        env.reset(3)
+        result = env.step(reply)
+        assert result.done and result.reward == -0.1 and result.info["format_error"] and not result.info["success"]
+    env = envs.SyntheticQAEnv(end_on_format_error=True)
+    env.reset(3)
+    assert not env.step(search_call("Oak")).done  # a well-formed turn goes on as usual
 
 
 def test_invalid_tool_calls_are_counted_and_explained():

@@ -67,6 +67,25 @@ def test_batching_is_invisible_with_per_row_seeds(model):
     assert twins[0].token_ids != twins[1].token_ids
 
 
+def test_rows_sharing_a_prompt_are_prefilled_once_and_sampled_independently(model):
+    # A GRPO group: the same prompts several times, mixed with others, in one batch. The prompt is
+    # prefilled once and its cache copied; every row must still be what it would be alone.
+    prompts = [PROMPTS[1], PROMPTS[0], PROMPTS[1], PROMPTS[3], PROMPTS[1], PROMPTS[0]]
+    seeds = [5, 6, 7, 8, 9, 10]
+    calls = []
+    hook = model.register_forward_pre_hook(lambda module, args, kwargs: calls.append(kwargs["input_ids"].shape),
+                                           with_kwargs=True)
+    try:
+        batched = TorchSampler(model).generate(prompts, 8, temperature=0.2, seed=seeds)
+    finally:
+        hook.remove()
+    assert calls[0] == (3, 20)  # the prefill: 3 distinct prompts, the longest 20 tokens
+    for prompt, seed, generation in zip(prompts, seeds, batched):
+        alone = TorchSampler(model).generate([prompt], 8, temperature=0.2, seed=seed)[0]
+        assert alone.token_ids == generation.token_ids
+        assert torch.allclose(torch.tensor(alone.logprobs), torch.tensor(generation.logprobs), atol=1e-5)
+
+
 def test_stop_tokens_and_per_row_lengths(model):
     sampler = TorchSampler(model)
     greedy = sampler.generate(PROMPTS, 8, temperature=0.0)

@@ -7,6 +7,7 @@ import time
 
 import pytest
 from hypothesis import given, settings, strategies as st
+from transformers.utils import get_json_schema
 
 from nanoagent.models import tiny_tokenizer
 from tools import (BM25Index, Tool, ToolCall, calculate, calculator_tool, load_corpus, parse_tool_calls,
@@ -141,8 +142,28 @@ def test_parser_never_raises_on_mangled_calls(arguments, data):
 def test_schema_is_openai_function_format():
     assert calculator_tool().schema() == {"type": "function", "function": {
         "name": "calculator", "description": calculator_tool().description,
-        "parameters": {"type": "object", "required": ["expression"], "properties": {
-            "expression": {"type": "string", "description": "The arithmetic expression to evaluate."}}}}}
+        "parameters": {"type": "object", "properties": {
+            "expression": {"type": "string", "description": "The arithmetic expression to evaluate."}},
+            "required": ["expression"]}}}
+
+
+def test_schema_text_equals_transformers_schema_of_a_documented_function():
+    # The chat template prints a schema with its keys in order, so a tool given to transformers (or TRL)
+    # as a documented Python function must print the very same text, or the prompts would differ.
+    def calculator(expression: str):
+        """Evaluate an arithmetic expression with + - * / ** (or ^) and parentheses, e.g. (2.5 + 3) * -4.
+
+        Args:
+            expression: The arithmetic expression to evaluate.
+        """
+    def search(query: str):
+        """Search the knowledge base; returns the most relevant passages with their titles.
+
+        Args:
+            query: What to search for, in a few keywords.
+        """
+    assert json.dumps(calculator_tool().schema()) == json.dumps(get_json_schema(calculator))
+    assert json.dumps(search_tool(CORPUS).schema()) == json.dumps(get_json_schema(search))
 
 
 @pytest.mark.parametrize("arguments, message", [

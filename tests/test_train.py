@@ -83,6 +83,37 @@ def test_on_policy_ratio_is_exactly_one_and_a_single_update_lowers_the_loss(tiny
     assert after.item() < loss.item()
 
 
+def test_log_probs_match_a_plain_loop_and_positions_only_skip_work(tiny_batch):
+    model, input_ids, attention_mask, mask = tiny_batch
+    attention_mask = attention_mask.clone()
+    attention_mask[2, 18:] = 0  # padding at the end of one row, after its last agent token
+    temperature = 0.7
+    full, full_entropy = train.token_logprobs(model, input_ids, attention_mask, temperature, with_entropy=True)
+    only, only_entropy = train.token_logprobs(model, input_ids, attention_mask, temperature, mask, with_entropy=True)
+    with torch.no_grad():  # reference: the whole model's logits, one token at a time
+        logits = model(input_ids=input_ids, attention_mask=attention_mask).logits / temperature  # (B, T, V)
+    for row in range(3):
+        for t in range(19):
+            if not attention_mask[row, t + 1]:
+                assert full[row, t] == 0
+                continue
+            distribution = torch.log_softmax(logits[row, t], dim=-1)
+            assert full[row, t].item() == pytest.approx(distribution[input_ids[row, t + 1]].item(), abs=1e-5)
+            entropy = -(distribution.exp() * distribution).sum().item()
+            assert full_entropy[row, t].item() == pytest.approx(entropy, abs=1e-5)
+    assert torch.allclose(only[mask == 1], full[mask == 1], atol=1e-6) and (only[mask == 0] == 0).all()
+    assert torch.allclose(only_entropy[mask == 1], full_entropy[mask == 1], atol=1e-6)
+    # The same gradient either way: positions outside the mask never reached the loss.
+    gradients = []
+    for positions in (None, mask):
+        model.zero_grad(set_to_none=True)
+        logprobs, _ = train.token_logprobs(model, input_ids, attention_mask, temperature, positions)
+        (logprobs * mask).sum().backward()
+        gradients.append(torch.cat([p.grad.flatten() for p in model.parameters()]))
+    model.zero_grad(set_to_none=True)
+    assert torch.allclose(gradients[0], gradients[1], atol=1e-6)
+
+
 def test_environment_tokens_get_no_gradient(tiny_batch):
     model, input_ids, attention_mask, mask = tiny_batch
     advantages = torch.randn(3, 19)  # nonzero everywhere, env positions included
