@@ -2,19 +2,23 @@
 Benchmark: TorchSampler against transformers' model.generate, in generated tokens per second (CPU).
 
 Same model (the tiny one), same 64 prompts of 20-300 tokens (left-padded for generate), same sampling
-(temperature 1, no top-k, no top-p). Two workloads:
+(temperature 1, no top-k, no top-p). Three workloads:
   - fixed length: no stop tokens, every row writes exactly max_new_tokens. Pure engine speed.
-  - rollout turn: 14 token ids stop a row (~1.5% of the vocabulary, so rows end at different times,
+  - rollout turn: 14 token ids stop a row (~1.3% of the vocabulary, so rows end at different times,
     as agent turns do). generate keeps computing finished rows until the last one stops;
     TorchSampler drops them. Only tokens up to each row's stop token count.
+  - GRPO groups: the same, but 8 distinct prompts x 8 samples each, as in a training step's first
+    turn. TorchSampler prefills each distinct prompt once; generate prefills all 64 rows.
 TorchSampler also returns every token's log-prob; generate is asked for none. Run from the repository
 root (one torch thread by default: timings on a shared 2-core machine are steadier that way):
 
     python bench/bench_sampler.py
     python bench/bench_sampler.py --batch-size 32 --threads 2
+    python bench/bench_sampler.py --device cuda      # on a GPU; adds VLLMSampler when vLLM is installed
 """
 
 import argparse
+import importlib.util
 import statistics
 import sys
 import time
@@ -24,7 +28,7 @@ import torch
 from transformers import GenerationConfig
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # nanoagent/ lives at the repository root
-from nanoagent.models import load_model  # noqa: E402
+from nanoagent.models import load_model, resolve_model_path  # noqa: E402
 from nanoagent.sampler import TorchSampler  # noqa: E402
 
 parser = argparse.ArgumentParser(description="TorchSampler vs model.generate, tokens/s")
@@ -33,27 +37,29 @@ parser.add_argument("--max-new-tokens", type=int, default=128)
 parser.add_argument("--batch-size", type=int, default=None, help="TorchSampler rows per batch (default: all)")
 parser.add_argument("--threads", type=int, default=1, help="torch CPU threads")
 parser.add_argument("--repeats", type=int, default=3, help="timed runs per method; the median is reported")
+parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
 args = parser.parse_args()
 
 torch.set_num_threads(args.threads)
-model, tokenizer = load_model("tiny")
+model, tokenizer = load_model("tiny", device=args.device)
 generator = torch.Generator().manual_seed(0)
 lengths = torch.linspace(20, 300, args.num_prompts).long().tolist()
 prompts = [torch.randint(0, len(tokenizer), (length,), generator=generator).tolist() for length in lengths]
-ROLLOUT_STOPS = list(range(100, 900, 60))  # 14 ids of the tiny model's ~900: a turn ends after ~65 tokens
+GROUPED = [prompt for prompt in prompts[::8] for _ in range(8)]  # 8 distinct prompts, 8 rows each
+ROLLOUT_STOPS = list(range(100, 900, 60))  # 14 ids of the tiny model's ~1100: a turn ends after ~80 tokens
 
 
-def torch_sampler_tokens(stop_token_ids):
+def torch_sampler_tokens(prompts, stop_token_ids):
     sampler = TorchSampler(model, batch_size=args.batch_size)
     generations = sampler.generate(prompts, args.max_new_tokens, temperature=1.0, stop_token_ids=stop_token_ids,
                                    seed=list(range(len(prompts))))
     return sum(len(generation.token_ids) for generation in generations)
 
 
-def hf_generate_tokens(stop_token_ids):
-    width = max(lengths)
-    input_ids = torch.full((len(prompts), width), tokenizer.pad_token_id)  # (B, L), left padding
-    attention_mask = torch.zeros(len(prompts), width, dtype=torch.long)
+def hf_generate_tokens(prompts, stop_token_ids):
+    width = max(len(prompt) for prompt in prompts)
+    input_ids = torch.full((len(prompts), width), tokenizer.pad_token_id, device=args.device)  # (B, L), left padding
+    attention_mask = torch.zeros(len(prompts), width, dtype=torch.long, device=args.device)
     for row, prompt in enumerate(prompts):
         input_ids[row, width - len(prompt):] = torch.tensor(prompt)
         attention_mask[row, width - len(prompt):] = 1
@@ -67,18 +73,33 @@ def hf_generate_tokens(stop_token_ids):
     return count
 
 
-def tokens_per_second(generate, stop_token_ids):
-    generate(stop_token_ids)  # warm-up
+def vllm_sampler_tokens(prompts, stop_token_ids):
+    generations = vllm_sampler.generate(prompts, args.max_new_tokens, temperature=1.0, stop_token_ids=stop_token_ids,
+                                        seed=list(range(len(prompts))))
+    return sum(len(generation.token_ids) for generation in generations)
+
+
+def tokens_per_second(generate, prompts, stop_token_ids):
+    generate(prompts, stop_token_ids)  # warm-up
     rates = []
     for _ in range(args.repeats):
         start = time.perf_counter()
-        tokens = generate(stop_token_ids)
+        tokens = generate(prompts, stop_token_ids)
         rates.append(tokens / (time.perf_counter() - start))
     return statistics.median(rates)
 
 
 print(f"{args.num_prompts} prompts of {min(lengths)}-{max(lengths)} tokens, up to {args.max_new_tokens} new tokens, "
       f"TorchSampler batch size {args.batch_size or 'all'}, {torch.get_num_threads()} torch thread(s)")
-for name, stop_token_ids in [("fixed length", []), ("rollout turn", ROLLOUT_STOPS)]:
-    ours, theirs = tokens_per_second(torch_sampler_tokens, stop_token_ids), tokens_per_second(hf_generate_tokens, stop_token_ids)
-    print(f"{name:13s} TorchSampler {ours:7.0f} tokens/s   model.generate {theirs:7.0f} tokens/s   {ours / theirs:5.2f}x")
+vllm_sampler = None
+if args.device == "cuda" and importlib.util.find_spec("vllm") is not None:
+    from nanoagent.sampler import VLLMSampler
+    vllm_sampler = VLLMSampler(resolve_model_path("tiny"), gpu_memory_utilization=0.3, max_model_len=512)
+for name, rows, stop_token_ids in [("fixed length", prompts, []), ("rollout turn", prompts, ROLLOUT_STOPS),
+                                   ("GRPO groups", GROUPED, ROLLOUT_STOPS)]:
+    ours = tokens_per_second(torch_sampler_tokens, rows, stop_token_ids)
+    theirs = tokens_per_second(hf_generate_tokens, rows, stop_token_ids)
+    line = f"{name:13s} TorchSampler {ours:7.0f} tokens/s   model.generate {theirs:7.0f} tokens/s   {ours / theirs:5.2f}x"
+    if vllm_sampler is not None:
+        line += f"   VLLMSampler {tokens_per_second(vllm_sampler_tokens, rows, stop_token_ids):7.0f} tokens/s"
+    print(line)

@@ -3,18 +3,25 @@ Benchmark: nanoagent's training step on this machine, with a FLOP cost model (CP
 
 Runs `train.py` (GRPO by default, any train.py flags pass through) for a few steps after its cached
 warm-up and reports seconds per step, tokens per second, peak memory, and achieved FLOP/s against a
-matmul ceiling measured on the same device:
+matmul ceiling measured on the same device, in the model's dtype. On a GPU it also reports MFU, the
+share of the card's datasheet bf16 peak (known cards below, or --peak_tflops):
 
     python bench/bench_train.py                      # tiny model, synthetic QA, 20 GRPO steps
     python bench/bench_train.py --algo ppo           # + the critic's forward and backward
+    python bench/bench_train.py --device cuda --model DIR --warmup_steps 0 --peak_tflops 989
 
-Cost model, per step (N = parameters of the policy, T = tokens of all trajectories of the step):
-  policy:  2N T (old log-probs, no grad) + 6N T (forward + backward of the update), per PPO epoch
-  critic:  2N T (values) + 6N T (forward + backward), PPO only (the critic has the policy's size)
+Cost model, per step. T = tokens of all trajectories of the step, K = the agent's tokens among them
+(the ones the loss reads), N_body = parameters of the transformer body, N_head = the LM head's.
+A forward pass costs F = 2 N_body T + 2 N_head K: train.py sends only the loss's positions through
+the LM head (train.token_logprobs). A backward pass costs 2F.
+  policy:  3F per update pass (forward + backward), per PPO epoch; + F for the old log-probs, unless
+           the step is a single update, which reuses its own forward (train.py, step 3)
+  critic:  PPO only, 2 N_body T (values) + 6 N_body T per epoch (its head has one output)
   rollout: not counted; it is mostly small decode steps, bound by memory and Python, not by FLOPs.
-Attention's T^2 term is left out: at these lengths (about 150 tokens) it is a few percent of 2N.
+Attention's T^2 term is left out: at these lengths (about 150 tokens) it is a few percent of 2 N_body.
 """
 
+import argparse
 import resource
 import sys
 import tempfile
@@ -26,10 +33,13 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the concept files live at the repository root
 import train  # noqa: E402
 
+# Dense bf16 tensor-core peaks from the vendor's datasheets (SXM parts), in FLOP/s.
+BF16_PEAK = {"H200": 989e12, "H100": 989e12, "A100": 312e12}
 
-def matmul_ceiling(device, size=1024, repeats=50):
-    """FLOP/s of a square float32 matmul on `device`: the ceiling the training step is measured against."""
-    a, b = torch.randn(size, size, device=device), torch.randn(size, size, device=device)
+
+def matmul_ceiling(device, dtype, size, repeats=50):
+    """FLOP/s of a square matmul in `dtype` on `device`: the ceiling the training step is measured against."""
+    a, b = torch.randn(size, size, device=device, dtype=dtype), torch.randn(size, size, device=device, dtype=dtype)
     for _ in range(5):
         a @ b
     if device.type == "cuda":
@@ -43,28 +53,45 @@ def matmul_ceiling(device, size=1024, repeats=50):
 
 
 def main():
+    parser = argparse.ArgumentParser(add_help=False)
+    parser.add_argument("--peak_tflops", type=float, default=None, help="the GPU's dense bf16 peak (default: known cards)")
+    own, train_argv = parser.parse_known_args()
     steps = 20
     with tempfile.TemporaryDirectory() as out_dir:
-        argv = ["--steps", str(steps), "--eval_every", "0", "--save_every", str(steps), "--out_dir", out_dir,
-                *sys.argv[1:]]
+        argv = ["--steps", str(steps), "--eval_every", "0", "--save_every", str(steps), "--out_dir", out_dir, *train_argv]
         args = train.get_args(argv)
         policy, history = train.main(argv)
-    device = next(policy.parameters()).device
-    parameters = sum(p.numel() for p in policy.parameters())
+    parameter = next(policy.parameters())
+    embedding, head = policy.get_input_embeddings().weight, policy.get_output_embeddings().weight
+    total = sum(p.numel() for p in policy.parameters())
+    body = total - embedding.numel() - (0 if head is embedding else head.numel())  # a lookup costs no FLOPs
     measured = history[2:]  # the first steps pay for one-time start-up work
     seconds = (measured[-1]["elapsed_s"] - history[1]["elapsed_s"]) / len(measured)
     episodes = args.prompts_per_step * args.group_size
-    tokens = sum(h["trajectory_tokens"] for h in measured) / len(measured) * episodes  # per step
-    flops = (2 + 6 * args.ppo_epochs) * parameters * tokens * (2 if args.algo == "ppo" else 1)
-    ceiling = matmul_ceiling(device)
+    tokens = sum(h["trajectory_tokens"] for h in measured) / len(measured) * episodes  # T, per step
+    agent_tokens = sum(h["response_tokens"] for h in measured) / len(measured) * episodes  # K, per step
+    forward = 2 * body * tokens + 2 * head.numel() * (tokens if args.no_action_mask else agent_tokens)
+    single_update = args.ppo_epochs == 1 and (args.minibatch_size or episodes) >= episodes and args.kl != "in_reward"
+    flops = (3 * args.ppo_epochs + (0 if single_update else 1) + (1 if args.kl != "none" else 0)) * forward
+    if args.algo == "ppo":
+        flops += (2 + 6 * args.ppo_epochs) * body * tokens
+    ceiling = matmul_ceiling(parameter.device, parameter.dtype, 8192 if parameter.device.type == "cuda" else 1024)
+    achieved = flops / seconds
     peak_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-    print(f"model {args.model} ({parameters / 1e6:.2f}M parameters), {args.algo}, {episodes} episodes/step, "
-          f"{torch.get_num_threads()} threads, device {device}")
+    print(f"model {args.model} ({total / 1e6:.2f}M parameters), {args.algo}, {episodes} episodes/step, "
+          f"{torch.get_num_threads()} threads, device {parameter.device}, {parameter.dtype}")
     print(f"seconds/step {seconds:.2f} | tokens/step {tokens:.0f} | tokens/s {tokens / seconds:.0f} | "
           f"peak memory {peak_mb:.0f} MB (process RSS)")
-    print(f"training FLOP/step {flops / 1e9:.2f} G | achieved {flops / seconds / 1e9:.2f} GFLOP/s | "
-          f"matmul ceiling {ceiling / 1e9:.1f} GFLOP/s | {100 * flops / seconds / ceiling:.1f}% of it "
+    print(f"training FLOP/step {flops / 1e9:.2f} G | achieved {achieved / 1e9:.2f} GFLOP/s | "
+          f"matmul ceiling {ceiling / 1e9:.1f} GFLOP/s | {100 * achieved / ceiling:.1f}% of it "
           "(the step's time includes the rollout, which the FLOP count leaves out)")
+    if parameter.device.type == "cuda":
+        name = torch.cuda.get_device_name(parameter.device)
+        peak = own.peak_tflops * 1e12 if own.peak_tflops else next(
+            (value for key, value in BF16_PEAK.items() if key in name), None)
+        print(f"GPU {name}: peak GPU memory {torch.cuda.max_memory_allocated() / 2 ** 30:.1f} GiB | " + (
+            f"MFU {100 * achieved / peak:.2f}% of its {peak / 1e12:.0f} TFLOP/s bf16 peak" if peak
+            else "bf16 peak unknown: pass --peak_tflops for MFU"))
 
 
 if __name__ == "__main__":

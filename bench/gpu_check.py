@@ -1,0 +1,66 @@
+"""
+GPU check: what CI's CPU machines cannot show. Run it from the repository root on a machine with a
+CUDA GPU (after `pip install -r requirements-dev.txt`; `requirements-gpu.txt` adds vLLM):
+
+    python bench/gpu_check.py
+    python bench/gpu_check.py --peak_tflops 989      # a card bench_train.py does not know
+
+1. the GPU-marked tests (tests/test_gpu.py): the samplers' log-probs against the trainer's on the
+   GPU, a short bf16 training run, and the VLLMSampler with its weight sync when vLLM is installed;
+2. 20 GRPO steps on CUDA in bf16 with the TorchSampler (bench/bench_train.py): step time, tokens/s,
+   achieved FLOP/s and MFU against the card's bf16 peak;
+3. the same with the VLLMSampler, when vLLM is installed;
+4. the samplers' tokens/s on the GPU (bench/bench_sampler.py): TorchSampler, model.generate, and
+   VLLMSampler when vLLM is installed.
+The model has Qwen2.5-0.5B's shape (24 layers, width 896) with random weights and the tiny model's
+tokenizer, built here, so nothing is downloaded; it skips the warm-up, so it fails the tasks, and its
+turns run to their token limit: this measures speed, not learning.
+"""
+
+import argparse
+import importlib.util
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # nanoagent/ lives at the repository root
+from nanoagent.models import tiny_model, tiny_tokenizer  # noqa: E402
+
+QWEN25_05B_SHAPE = dict(hidden_size=896, num_hidden_layers=24, num_attention_heads=14, num_key_value_heads=2,
+                        intermediate_size=4864)
+
+
+def run(command):
+    """Run a command, showing it and its output; stop the check if it fails."""
+    print("\n$ " + " ".join(command), flush=True)
+    if subprocess.run(command).returncode != 0:
+        sys.exit(f"failed: {' '.join(command)}")
+
+
+def main():
+    parser = argparse.ArgumentParser(description="GPU tests and a bf16 training benchmark with MFU")
+    parser.add_argument("--peak_tflops", type=float, default=None, help="the GPU's dense bf16 peak, for MFU")
+    cli = parser.parse_args()
+    if not torch.cuda.is_available():
+        sys.exit("gpu_check needs a CUDA GPU; on CPU, run the test suite and bench/bench_train.py instead")
+    print(f"{torch.cuda.get_device_name()} | torch {torch.__version__} | CUDA {torch.version.cuda}")
+    run([sys.executable, "-m", "pytest", "-q", "-m", "gpu", "tests/test_gpu.py"])
+    with tempfile.TemporaryDirectory() as model_dir:
+        tokenizer = tiny_tokenizer()
+        tiny_model(tokenizer, **QWEN25_05B_SHAPE).save_pretrained(model_dir)
+        tokenizer.save_pretrained(model_dir)
+        bench = [sys.executable, "bench/bench_train.py", "--device", "cuda", "--model", model_dir, "--warmup_steps", "0",
+                 *(["--peak_tflops", str(cli.peak_tflops)] if cli.peak_tflops else [])]
+        run(bench)
+        if importlib.util.find_spec("vllm") is not None:
+            run(bench + ["--sampler", "vllm"])
+        else:
+            print("\nvLLM is not installed: the VLLMSampler runs are skipped (pip install -r requirements-gpu.txt)")
+    run([sys.executable, "bench/bench_sampler.py", "--device", "cuda"])
+
+
+if __name__ == "__main__":
+    main()
