@@ -192,7 +192,10 @@ def main():
     parser.add_argument("--worker", choices=["nanoagent", "trl"], help=argparse.SUPPRESS)  # one run, in a child
     parser.add_argument("--seed", type=int, default=0, help=argparse.SUPPRESS)  # the worker's seed
     cli = parser.parse_args()
-    assert cli.steps >= 3, "--steps must be at least 3: the first two steps are not timed"
+    if cli.steps < 3:
+        parser.error("--steps must be at least 3: the first two steps are not timed")
+    if cli.rounds < 1:
+        parser.error("--rounds must be at least 1")
     if cli.worker:
         result = (run_nanoagent if cli.worker == "nanoagent" else run_trl)(cli.steps, cli.seed)
         print("RESULT " + json.dumps(result))
