@@ -185,11 +185,12 @@ def test_resume_gives_the_same_weights_as_an_unbroken_run(tmp_path):
 
 def test_torchrun_two_processes_end_with_identical_weights(tmp_path):
     script = tmp_path / "run.py"
+    # Each rank writes its weights' hash to a file of its own (two ranks printing to one pipe can interleave).
     script.write_text(
-        "import hashlib, sys, torch, train\n"
+        "import hashlib, os, sys, torch, train\n"
         "policy, history = train.main(sys.argv[1:])\n"
         "digest = hashlib.sha256(b''.join(p.detach().numpy().tobytes() for p in policy.parameters())).hexdigest()\n"
-        "print('weights', digest, flush=True)\n")
+        f"open(os.path.join({str(tmp_path)!r}, 'weights-' + os.environ['RANK']), 'w').write(digest)\n")
     # Warm up once here, so the two ranks only read the cache.
     train.main(BANDIT + ["--steps", "1", "--out_dir", str(tmp_path / "single")])
     env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
@@ -198,8 +199,8 @@ def test_torchrun_two_processes_end_with_identical_weights(tmp_path):
          *BANDIT, "--steps", "2", "--out_dir", str(tmp_path / "ddp")],
         capture_output=True, text=True, env=env, cwd=REPO, timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
-    digests = [line.split()[1] for line in result.stdout.splitlines() if line.startswith("weights")]
-    assert len(digests) == 2 and digests[0] == digests[1], result.stdout[-2000:]
+    digests = [(tmp_path / f"weights-{rank}").read_text() for rank in (0, 1)]
+    assert len(digests[0]) == 64 and digests[0] == digests[1]
     metrics = [json.loads(line) for line in (tmp_path / "ddp" / "metrics.jsonl").read_text().splitlines()]
     assert len(metrics) == 2 and metrics[-1]["kept_trajectories"] == 8  # 2 prompts x 4 samples on each rank
 
