@@ -158,8 +158,8 @@ class ToolEnv:
     def reset(self, seed: int, episode: int = 0) -> tuple[list[dict], list[dict]]:
         """Starts the episode for `seed`: (opening messages, tool schemas). Tools are deterministic, so
         `episode` (which member of a GRPO group this is) changes nothing here."""
-        self.seed, self.rng = seed, random.Random(seed)
-        self.question, self.answers, tool_list = self.new_task(self.rng)
+        self.seed = seed
+        self.question, self.answers, tool_list = self.new_task(random.Random(seed))
         self.tools = {tool.name: tool for tool in tool_list}
         self.turn, self.done, self.calls_made = 0, False, set()
         system = self.system_prompt + (THINK_INSTRUCTION if self.require_think else "")

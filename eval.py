@@ -190,8 +190,7 @@ def chat(sampler, tokenizer, env, seed=0, max_turns=4, max_new_tokens=256, max_t
             generation = sampler.generate([token_ids], min(max_new_tokens, max_total_tokens - len(token_ids)),
                                           temperature=temperature, stop_token_ids=stop_token_ids, seed=turn)[0]
             turn += 1
-            sampled = generation.token_ids[:-1] if generation.finish_reason == "stop" else generation.token_ids
-            closing = [] if generation.token_ids[-1] == end_of_turn else [end_of_turn]  # a cut turn is closed
+            sampled, closing = rollout.finish_turn(generation, end_of_turn)
             token_ids += generation.token_ids + closing  # as sampled, like rollout's trajectories
             text = tokenizer.decode(sampled)
             write(f"{agent_color}agent> {text}{plain}")

@@ -40,9 +40,12 @@ environment tokens: observations are only appended when another turn follows.
 
 import hashlib
 from dataclasses import dataclass
+from functools import lru_cache
 
 import torch
 from tqdm import tqdm
+
+import masks
 
 END_OF_TURN = "<|im_end|>"  # Qwen2.5's end-of-turn token, what an assistant turn stops on
 STOP_TOKENS = (END_OF_TURN, "<|endoftext|>")  # the sampler stops a turn on either (as Qwen2.5-Instruct does)
@@ -78,10 +81,16 @@ def encode(tokenizer, text):
     return tokenizer.encode(text, add_special_tokens=False)
 
 
+@lru_cache(maxsize=8)
+def rendered_dummy(tokenizer, chat_template):
+    """DUMMY_CONVERSATION rendered, once per tokenizer and template rather than once per observation."""
+    return render(tokenizer, DUMMY_CONVERSATION)
+
+
 def observation_tokens(tokenizer, observations):
     """The environment's tokens after an assistant's <|im_end|>: the template's text for `observations`
     (tool results and/or user messages) plus the next assistant header, by suffix difference."""
-    before = render(tokenizer, DUMMY_CONVERSATION)
+    before = rendered_dummy(tokenizer, tokenizer.chat_template)
     after = render(tokenizer, DUMMY_CONVERSATION + observations, add_generation_prompt=True)
     assert after.startswith(before), "the chat template rewrote earlier turns when new messages were added"
     turn_end = before.rindex(END_OF_TURN) + len(END_OF_TURN)
@@ -101,6 +110,14 @@ def append(trajectory, token_ids, mask, logprobs=None):
     trajectory.token_ids += token_ids
     trajectory.action_mask += [mask] * len(token_ids)
     trajectory.logprobs += logprobs if logprobs is not None else [0.0] * len(token_ids)
+
+
+def finish_turn(generation, end_of_turn):
+    """A sampled turn's (ids the env reads as text, ids to append after it): the text leaves out the
+    stop token, and a turn cut by length gets an env-written <|im_end|> so the chat stays well formed."""
+    sampled = generation.token_ids[:-1] if generation.finish_reason == "stop" else generation.token_ids
+    closing = [] if generation.token_ids[-1] == end_of_turn else [end_of_turn]
+    return sampled, closing
 
 
 def rollout(sampler, tokenizer, make_env, seeds, group_size, max_turns, max_new_tokens, max_total_tokens,
@@ -142,7 +159,7 @@ def rollout(sampler, tokenizer, make_env, seeds, group_size, max_turns, max_new_
             trajectory.turn_end_positions.append(len(trajectory.token_ids) - 1)
             trajectory.num_turns += 1
             # The env reads text: the turn without its stop token. Decoding is fine, it is never re-encoded.
-            sampled = generation.token_ids[:-1] if generation.finish_reason == "stop" else generation.token_ids
+            sampled, closing = finish_turn(generation, end_of_turn)
             text = tokenizer.decode(sampled)
             trajectory.messages.append({"role": "assistant", "content": text})
             result = env.step(text)
@@ -153,7 +170,6 @@ def rollout(sampler, tokenizer, make_env, seeds, group_size, max_turns, max_new_
                                "format_errors": info.get("format_errors", 0) + int(result.info["format_error"])}
             if result.done:
                 continue
-            closing = [] if generation.token_ids[-1] == end_of_turn else [end_of_turn]  # a cut turn gets closed
             env_tokens = closing + observation_tokens(tokenizer, result.observations)
             if turn == max_turns - 1 or len(trajectory.token_ids) + len(env_tokens) >= max_total_tokens:
                 trajectory.truncated = True  # no further turn: stop on the agent's last token
@@ -173,15 +189,13 @@ def rollout(sampler, tokenizer, make_env, seeds, group_size, max_turns, max_new_
 def collate(trajectories, pad_token_id):
     """Right-pad trajectories into (B, T) tensors for the trainer. Token-aligned: action_mask[b, t] = 1 iff
     token t of row b was sampled, sampler_logprobs[b, t] is its log-prob, token_rewards[b, t] holds the
-    rewards of the turns that end at t (what masks.place_rewards builds; the positions here are always
-    agent tokens, so no reward needs moving)."""
+    rewards of the turns that end at t (masks.place_rewards; each turn ends on its last sampled token)."""
     num_rows, width = len(trajectories), max(len(trajectory.token_ids) for trajectory in trajectories)
     batch = {
         "input_ids": torch.full((num_rows, width), pad_token_id, dtype=torch.long),
         "attention_mask": torch.zeros(num_rows, width, dtype=torch.long),
         "action_mask": torch.zeros(num_rows, width, dtype=torch.long),
         "sampler_logprobs": torch.zeros(num_rows, width, dtype=torch.float32),
-        "token_rewards": torch.zeros(num_rows, width, dtype=torch.float32),
     }
     for row, trajectory in enumerate(trajectories):
         length = len(trajectory.token_ids)
@@ -189,9 +203,9 @@ def collate(trajectories, pad_token_id):
         batch["attention_mask"][row, :length] = 1
         batch["action_mask"][row, :length] = torch.tensor(trajectory.action_mask)
         batch["sampler_logprobs"][row, :length] = torch.tensor(trajectory.logprobs)
-        for reward, position in zip(trajectory.turn_rewards, trajectory.turn_end_positions):
-            assert trajectory.action_mask[position] == 1, f"row {row}: a turn reward at {position} is off the mask"
-            batch["token_rewards"][row, position] += reward
+    batch["token_rewards"] = masks.place_rewards([trajectory.turn_rewards for trajectory in trajectories],
+                                                 [trajectory.turn_end_positions for trajectory in trajectories],
+                                                 batch["action_mask"])  # (B, T)
     batch["scores"] = torch.tensor([trajectory.score for trajectory in trajectories], dtype=torch.float32)  # (B,)
     batch["group_ids"] = torch.tensor([trajectory.group_id for trajectory in trajectories], dtype=torch.long)  # (B,)
     batch["truncated"] = torch.tensor([trajectory.truncated for trajectory in trajectories])  # (B,)

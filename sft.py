@@ -32,6 +32,8 @@ import torch
 from tqdm import tqdm
 
 import envs
+import masks
+import rollout
 from nanoagent.checkpoint import save_atomically
 from nanoagent.common import print0
 from nanoagent.models import cache_dir, load_model, resolve_model_path
@@ -56,8 +58,8 @@ def assistant_token_mask(tokenizer, input_ids):
     Scans the rendered chat for `<|im_start|>assistant\\n` and marks everything up to the next
     <|im_end|>: exactly the tokens a sampler would have produced in a rollout.
     """
-    header = tokenizer("<|im_start|>assistant\n", add_special_tokens=False).input_ids
-    im_end = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    header = rollout.encode(tokenizer, "<|im_start|>assistant\n")
+    im_end = tokenizer.convert_tokens_to_ids(rollout.END_OF_TURN)
     mask, inside, t = [0] * len(input_ids), False, 0
     while t < len(input_ids):
         if not inside and input_ids[t:t + len(header)] == header:
@@ -72,8 +74,7 @@ def assistant_token_mask(tokenizer, input_ids):
 
 def tokenize_conversation(tokenizer, messages, tool_schemas):
     """Render a conversation with the chat template; return (input_ids, assistant mask)."""
-    text = tokenizer.apply_chat_template(messages, tools=tool_schemas or None, tokenize=False)
-    input_ids = tokenizer(text, add_special_tokens=False).input_ids
+    input_ids = rollout.encode(tokenizer, rollout.render(tokenizer, messages, tool_schemas))
     return input_ids, assistant_token_mask(tokenizer, input_ids)
 
 
@@ -143,7 +144,7 @@ def warm_up(model_name, env_name, env_kwargs, clean_steps=1200, steps=300, batch
             input_ids, loss_mask = input_ids.to(device), loss_mask.to(device)
             logits = model(input_ids).logits[:, :-1]  # (B, T-1, V): position t predicts token t+1
             token_loss = torch.nn.functional.cross_entropy(logits.transpose(1, 2), input_ids[:, 1:], reduction="none")
-            loss = (token_loss * loss_mask[:, 1:]).sum() / loss_mask[:, 1:].sum()
+            loss = masks.masked_mean(token_loss, loss_mask[:, 1:])
             loss.backward()
             torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
             optimizer.step()

@@ -112,10 +112,9 @@ def get_args(argv=None):
     parser.add_argument("--wandb", default=None, help="a wandb project name to log to (needs wandb installed)")
     args = parser.parse_args(argv)
 
-    for key, value in (STARPO_S if args.starpo_s else {}).items():
-        setattr(args, key, value if getattr(args, key) is None else getattr(args, key))
-    for key, value in DEFAULTS.items():
-        setattr(args, key, value if getattr(args, key) is None else getattr(args, key))
+    for key, value in {**DEFAULTS, **(STARPO_S if args.starpo_s else {})}.items():
+        if getattr(args, key) is None:  # flags the user gave win
+            setattr(args, key, value)
     args.kl_estimator = args.kl_estimator or ("k1" if args.kl == "in_reward" else "k3")
     args.env_options = {"max_turns": args.max_turns, **json.loads(args.env_options)}
 
@@ -174,6 +173,15 @@ def policy_loss(logprobs, old_logprobs, advantages, mask, clip_low, clip_high, l
     ratio = (logprobs - old_logprobs).exp()  # (B, T-1); exactly 1 on the first on-policy pass
     surrogate = torch.max(-advantages * ratio, -advantages * ratio.clamp(1 - clip_low, 1 + clip_high))
     return masks.aggregate_loss(surrogate, mask, loss_agg, norm_constant=norm_constant), ratio
+
+
+def is_single_update(args, num_rows, step):
+    """Is this step's update one pass over the whole batch, from the weights that sampled it? Then its own
+    forward pass gives the old log-probs (detached): one forward pass fewer, as in TRL. KL in the reward
+    needs them before the update, further updates need them unchanged, and critic warm-up steps make no
+    policy update at all."""
+    return (args.ppo_epochs == 1 and (args.minibatch_size or num_rows) >= num_rows and args.kl != "in_reward"
+            and step >= args.critic_warmup)
 
 
 def critic_values(critic, input_ids, attention_mask):
@@ -249,9 +257,9 @@ def main(argv=None):
     dtype = autodetect_dtype(device.type)
     out_dir = Path(args.out_dir)
     trainer_state = None
-    checkpoint = latest_checkpoint(out_dir) if args.resume else None
+    checkpoint = latest_checkpoint(out_dir)
     assert not args.resume or checkpoint is not None, f"--resume: no checkpoint in {out_dir}"
-    assert args.resume or latest_checkpoint(out_dir) is None, \
+    assert args.resume or checkpoint is None, \
         f"{out_dir} already holds a run: pass --resume to continue it, or choose another --out_dir"
 
     # Starting weights: a checkpoint to resume, or the (warmed-up) model. Rank 0 warms up; the others wait for it.
@@ -267,14 +275,14 @@ def main(argv=None):
             model_path = warm_up(args, device)  # cached by rank 0 by now: only returns the path
     else:
         model_path = resolve_model_path(args.model)
+    reference_path = model_path if checkpoint is None else trainer_state["reference"]  # KL's anchor: the start
     policy, tokenizer = load_model(model_path, device=device, dtype=dtype)
     policy.train()
     critic = None
     if args.algo == "ppo":  # the critic starts from the policy checkpoint (or is restored with it)
         critic_path = Path(model_path) / "critic" if (Path(model_path) / "critic").exists() else model_path
         critic = load_critic(critic_path, device=device, dtype=dtype).train()
-    reference = load_model(model_path if checkpoint is None else trainer_state["reference"], device=device,
-                           dtype=dtype)[0] if args.kl != "none" else None  # only loaded when KL is on
+    reference = load_model(reference_path, device=device, dtype=dtype)[0] if args.kl != "none" else None
     policy_optimizer = torch.optim.AdamW(policy.parameters(), lr=args.lr, betas=(0.9, 0.99), weight_decay=0.0)
     critic_optimizer = torch.optim.AdamW(critic.parameters(), lr=args.critic_lr, weight_decay=0.0) if critic else None
     start_step = 0
@@ -309,11 +317,9 @@ def main(argv=None):
         # 1. Rollout: this rank's env seeds for this step (train seeds, never the eval range).
         first_seed = (step * args.prompts_per_step + rank * prompts_per_rank) % envs.EVAL_SEED_START
         seeds = [first_seed + i for i in range(prompts_per_rank)]
-        policy.eval()
         trajectories = rollout.rollout(sampler, tokenizer, make_env, seeds, args.group_size, args.max_turns,
                                        args.max_new_tokens, args.max_total_tokens, temperature=args.temperature,
                                        sample_seed=args.seed * 1_000_003 + step, truncated_reward=args.truncated_reward)
-        policy.train()
         group_stds = [statistics.pstdev([t.score for t in trajectories if t.group_id == g]) for g in range(len(seeds))]
         # 2. StarPO-S: train on the groups whose outcomes differ (informative ones).
         kept = keep_high_variance_groups(trajectories, args.filter_ratio)  # filter_ratio 1.0 keeps them all
@@ -324,13 +330,10 @@ def main(argv=None):
         token_rewards = batch["token_rewards"][:, 1:].clone()  # (B, T-1), on each turn's last agent token
 
         # 3. Score the batch with the pre-update policy (the "old" policy of the PPO ratio), reference, critic.
-        # A single update over the whole batch starts from these very weights, so its own forward pass
-        # gives the old log-probs (detached): one forward pass fewer, as in TRL. KL in the reward needs
-        # them before the update, and further updates need them unchanged, so those keep this pass.
+        # A single update skips the separate pass: its own forward pass gives the old log-probs.
         num_rows = input_ids.shape[0]
         minibatch_size = args.minibatch_size or num_rows
-        single_update = (args.ppo_epochs == 1 and minibatch_size >= num_rows and args.kl != "in_reward"
-                         and step >= args.critic_warmup)
+        single_update = is_single_update(args, num_rows, step)
         with torch.no_grad():
             if not single_update:
                 old_logprobs, _ = token_logprobs(policy, input_ids, attention_mask, args.temperature, loss_mask)
@@ -425,9 +428,7 @@ def main(argv=None):
         metrics = {"step": step + 1, **dict(zip(keys, reduced.tolist())), "kept_trajectories": num_rows,
                    "elapsed_s": time.time() - run_start}
         if args.eval_every > 0 and ((step + 1) % args.eval_every == 0 or step + 1 == args.steps):
-            policy.eval()
             metrics.update(evaluate(sampler, tokenizer, args, rank, world_size))
-            policy.train()
         history.append(metrics)
         for warning in echo_trap_warnings([h for h in history if "grad_norm" in h]):
             print0(f"WARNING step {step + 1}: {warning}")
@@ -449,7 +450,7 @@ def main(argv=None):
                     "step": step + 1, "policy_optimizer": policy_optimizer.state_dict(),
                     "critic_optimizer": critic_optimizer.state_dict() if critic_optimizer else None,
                     "rng": rng_states, "history": history, "args": vars(args),
-                    "reference": str(trainer_state["reference"] if trainer_state else model_path)})
+                    "reference": str(reference_path)})
             if ddp:
                 dist.barrier()
     print0(f"done: {args.steps} steps in {time.time() - run_start:.0f}s; checkpoints in {out_dir}")

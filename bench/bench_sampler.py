@@ -49,11 +49,13 @@ GROUPED = [prompt for prompt in prompts[::8] for _ in range(8)]  # 8 distinct pr
 ROLLOUT_STOPS = list(range(100, 900, 60))  # 14 ids of the tiny model's ~1100: a turn ends after ~80 tokens
 
 
-def torch_sampler_tokens(prompts, stop_token_ids):
-    sampler = TorchSampler(model, batch_size=args.batch_size)
-    generations = sampler.generate(prompts, args.max_new_tokens, temperature=1.0, stop_token_ids=stop_token_ids,
-                                   seed=list(range(len(prompts))))
-    return sum(len(generation.token_ids) for generation in generations)
+def sampler_tokens(sampler):
+    """A generate function for tokens_per_second: `sampler` (TorchSampler or VLLMSampler) on the prompts."""
+    def generate(prompts, stop_token_ids):
+        generations = sampler.generate(prompts, args.max_new_tokens, temperature=1.0, stop_token_ids=stop_token_ids,
+                                       seed=list(range(len(prompts))))
+        return sum(len(generation.token_ids) for generation in generations)
+    return generate
 
 
 def hf_generate_tokens(prompts, stop_token_ids):
@@ -71,12 +73,6 @@ def hf_generate_tokens(prompts, stop_token_ids):
     for row in new_tokens.tolist():  # a row's tokens up to and including its first stop token
         count += next((index + 1 for index, token in enumerate(row) if token in stop_token_ids), len(row))
     return count
-
-
-def vllm_sampler_tokens(prompts, stop_token_ids):
-    generations = vllm_sampler.generate(prompts, args.max_new_tokens, temperature=1.0, stop_token_ids=stop_token_ids,
-                                        seed=list(range(len(prompts))))
-    return sum(len(generation.token_ids) for generation in generations)
 
 
 def tokens_per_second(generate, prompts, stop_token_ids):
@@ -97,9 +93,9 @@ if args.device == "cuda" and importlib.util.find_spec("vllm") is not None:
     vllm_sampler = VLLMSampler(resolve_model_path("tiny"), gpu_memory_utilization=0.3, max_model_len=512)
 for name, rows, stop_token_ids in [("fixed length", prompts, []), ("rollout turn", prompts, ROLLOUT_STOPS),
                                    ("GRPO groups", GROUPED, ROLLOUT_STOPS)]:
-    ours = tokens_per_second(torch_sampler_tokens, rows, stop_token_ids)
+    ours = tokens_per_second(sampler_tokens(TorchSampler(model, batch_size=args.batch_size)), rows, stop_token_ids)
     theirs = tokens_per_second(hf_generate_tokens, rows, stop_token_ids)
     line = f"{name:13s} TorchSampler {ours:7.0f} tokens/s   model.generate {theirs:7.0f} tokens/s   {ours / theirs:5.2f}x"
     if vllm_sampler is not None:
-        line += f"   VLLMSampler {tokens_per_second(vllm_sampler_tokens, rows, stop_token_ids):7.0f} tokens/s"
+        line += f"   VLLMSampler {tokens_per_second(sampler_tokens(vllm_sampler), rows, stop_token_ids):7.0f} tokens/s"
     print(line)

@@ -7,7 +7,7 @@ matmul ceiling measured on the same device, in the model's dtype. On a GPU it al
 share of the card's datasheet bf16 peak (known cards below, or --peak_tflops):
 
     python bench/bench_train.py                      # tiny model, synthetic QA, 20 GRPO steps
-    python bench/bench_train.py --algo ppo           # + the critic's forward and backward
+    python bench/bench_train.py --algo ppo --steps 40  # + the critic's forward and backward
     python bench/bench_train.py --device cuda --model DIR --warmup_steps 0 --peak_tflops 989
 
 Cost model, per step. T = tokens of all trajectories of the step, K = the agent's tokens among them
@@ -23,6 +23,7 @@ Attention's T^2 term is left out: at these lengths (about 150 tokens) it is a fe
 
 import argparse
 import resource
+import statistics
 import sys
 import tempfile
 import time
@@ -52,32 +53,48 @@ def matmul_ceiling(device, dtype, size, repeats=50):
     return 2 * size ** 3 * repeats / (time.perf_counter() - start)
 
 
-def main():
-    parser = argparse.ArgumentParser(add_help=False)
-    parser.add_argument("--peak_tflops", type=float, default=None, help="the GPU's dense bf16 peak (default: known cards)")
-    own, train_argv = parser.parse_known_args()
-    steps = 20
+def peak_memory_mb():
+    """This process's peak resident memory so far, in MB."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux reports KiB
+
+
+def timed_run(train_argv, steps):
+    """train.main for `steps` steps with these train.py flags, in a temporary out_dir, with no evaluation
+    and no checkpoint before the end. Returns (args, policy, history, seconds per step, trajectory tokens
+    per step), timed over steps 3..N: the first two pay for one-time start-up work."""
     with tempfile.TemporaryDirectory() as out_dir:
-        argv = ["--steps", str(steps), "--eval_every", "0", "--save_every", str(steps), "--out_dir", out_dir, *train_argv]
+        argv = ["--steps", str(steps), "--eval_every", "0", "--save_every", str(steps), "--out_dir", out_dir,
+                *train_argv]
         args = train.get_args(argv)
         policy, history = train.main(argv)
+    measured = history[2:]
+    seconds = (measured[-1]["elapsed_s"] - history[1]["elapsed_s"]) / len(measured)
+    tokens = statistics.fmean(h["trajectory_tokens"] for h in measured) * args.prompts_per_step * args.group_size
+    return args, policy, history, seconds, tokens
+
+
+def main():
+    parser = argparse.ArgumentParser(add_help=False)
+    parser.add_argument("--steps", type=int, default=20, help="training steps (at least 3: two are not timed)")
+    parser.add_argument("--peak_tflops", type=float, default=None, help="the GPU's dense bf16 peak (default: known cards)")
+    own, train_argv = parser.parse_known_args()
+    if own.steps < 3:
+        parser.error("--steps must be at least 3: the first two steps are not timed")
+    args, policy, history, seconds, tokens = timed_run(train_argv, own.steps)
     parameter = next(policy.parameters())
     embedding, head = policy.get_input_embeddings().weight, policy.get_output_embeddings().weight
     total = sum(p.numel() for p in policy.parameters())
     body = total - embedding.numel() - (0 if head is embedding else head.numel())  # a lookup costs no FLOPs
-    measured = history[2:]  # the first steps pay for one-time start-up work
-    seconds = (measured[-1]["elapsed_s"] - history[1]["elapsed_s"]) / len(measured)
     episodes = args.prompts_per_step * args.group_size
-    tokens = sum(h["trajectory_tokens"] for h in measured) / len(measured) * episodes  # T, per step
-    agent_tokens = sum(h["response_tokens"] for h in measured) / len(measured) * episodes  # K, per step
+    agent_tokens = statistics.fmean(h["response_tokens"] for h in history[2:]) * episodes  # K, per step (T: tokens)
     forward = 2 * body * tokens + 2 * head.numel() * (tokens if args.no_action_mask else agent_tokens)
-    single_update = args.ppo_epochs == 1 and (args.minibatch_size or episodes) >= episodes and args.kl != "in_reward"
+    single_update = train.is_single_update(args, episodes, args.steps - 1)  # no separate old-log-prob pass
     flops = (3 * args.ppo_epochs + (0 if single_update else 1) + (1 if args.kl != "none" else 0)) * forward
     if args.algo == "ppo":
         flops += (2 + 6 * args.ppo_epochs) * body * tokens
     ceiling = matmul_ceiling(parameter.device, parameter.dtype, 8192 if parameter.device.type == "cuda" else 1024)
     achieved = flops / seconds
-    peak_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    peak_mb = peak_memory_mb()
     print(f"model {args.model} ({total / 1e6:.2f}M parameters), {args.algo}, {episodes} episodes/step, "
           f"{torch.get_num_threads()} threads, device {parameter.device}, {parameter.dtype}")
     print(f"seconds/step {seconds:.2f} | tokens/step {tokens:.0f} | tokens/s {tokens / seconds:.0f} | "

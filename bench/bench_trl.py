@@ -34,7 +34,6 @@ the same evaluator (train.evaluate: 128 held-out seeds, sampled at temperature 1
 import argparse
 import json
 import os
-import resource
 import statistics
 import subprocess
 import sys
@@ -47,42 +46,31 @@ from transformers import AutoTokenizer
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the concept files live at the repository root
 import envs  # noqa: E402
+import rollout  # noqa: E402
 import tools  # noqa: E402
 import train  # noqa: E402
-from nanoagent.models import load_model  # noqa: E402
+from bench_train import peak_memory_mb, timed_run  # noqa: E402  (bench/ is this script's own folder)
+from nanoagent.models import load_model, resolve_model_path  # noqa: E402
 from nanoagent.sampler import TorchSampler  # noqa: E402
 
 
-def train_args(steps, seed, out_dir):
-    """train.py's arguments for the benchmark: its defaults, the env's episodes ending as TRL's do, and
-    no evaluation or checkpoints in the timed loop."""
-    return ["--steps", str(steps), "--seed", str(seed), "--env_options", json.dumps({"end_on_format_error": True}),
-            "--eval_every", "0", "--save_every", str(steps), "--out_dir", out_dir]
+def bench_flags(seed):
+    """train.py's flags for the benchmark: its defaults, with the env's episodes ending as TRL's do."""
+    return ["--seed", str(seed), "--env_options", json.dumps({"end_on_format_error": True})]
 
 
 def held_out_success(model, tokenizer, args):
     """train.py's evaluation of `model`: the same seeds, sampler and settings for both frameworks."""
-    model.eval()
     return train.evaluate(TorchSampler(model, batch_size=32), tokenizer, args, rank=0, world_size=1)["eval_success"]
-
-
-def peak_memory_mb():
-    """This process's peak resident memory so far, in MB."""
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux reports KiB
 
 
 def run_nanoagent(steps, seed):
     """train.main for `steps` GRPO steps; returns the measurements."""
-    with tempfile.TemporaryDirectory() as out_dir:
-        argv = train_args(steps, seed, out_dir)
-        args = train.get_args(argv)
-        policy, history = train.main(argv)
-    measured = history[2:]
-    episodes = args.prompts_per_step * args.group_size
-    return {"seconds_per_step": (measured[-1]["elapsed_s"] - history[1]["elapsed_s"]) / len(measured),
-            "tokens_per_step": statistics.fmean(h["trajectory_tokens"] for h in measured) * episodes,
+    args, policy, history, seconds, tokens = timed_run(bench_flags(seed), steps)
+    tokenizer = AutoTokenizer.from_pretrained(resolve_model_path(args.model))  # the warm-up keeps the model's own
+    return {"seconds_per_step": seconds, "tokens_per_step": tokens,
             "train_success": statistics.fmean(h["success"] for h in history[-5:]),
-            "eval_success": held_out_success(policy, AutoTokenizer.from_pretrained(train.warm_up(args)), args),
+            "eval_success": held_out_success(policy, tokenizer, args),
             "peak_memory_mb": peak_memory_mb()}
 
 
@@ -101,7 +89,7 @@ def run_trl(steps, seed):
     from trl import GRPOConfig, GRPOTrainer
 
     with tempfile.TemporaryDirectory() as out_dir:
-        args = train.get_args(train_args(steps, seed, out_dir))
+        args = train.get_args(["--steps", str(steps), *bench_flags(seed)])
         model, tokenizer = load_model(train.warm_up(args))  # float32, like train.py on CPU
         make_env = envs.env_factory(args.env, args.env_options, data=args.data, split="train")
 
@@ -125,13 +113,13 @@ def run_trl(steps, seed):
         # train.py's seeds for steps 0..steps-1, in its order; TRL repeats each row group_size times.
         seeds = [step * args.prompts_per_step + i for step in range(steps) for i in range(args.prompts_per_step)]
         openings = [make_env().reset(seed) for seed in seeds]  # (messages, tool schemas)
+        trl_tools = [SearchEnv().search]  # what TRL renders: the method, through its docstring
         prompt_lengths = {}
         for seed, (messages, schemas) in zip(seeds, openings):
-            ours = tokenizer.apply_chat_template(messages, tools=schemas, add_generation_prompt=True, tokenize=False)
-            theirs = tokenizer.apply_chat_template(messages, tools=[SearchEnv().search], add_generation_prompt=True,
-                                                   tokenize=False)
+            ours = rollout.render(tokenizer, messages, schemas, add_generation_prompt=True)
+            theirs = rollout.render(tokenizer, messages, trl_tools, add_generation_prompt=True)
             assert ours == theirs, "TRL would see another prompt than nanoagent; the comparison would be unfair"
-            prompt_lengths[seed] = len(tokenizer(ours, add_special_tokens=False).input_ids)
+            prompt_lengths[seed] = len(rollout.encode(tokenizer, ours))
         dataset = Dataset.from_dict({"prompt": [messages for messages, _ in openings], "seed": seeds})
 
         step_log = {"successes": [], "tokens": 0, "per_step": []}  # filled by the reward function
@@ -209,10 +197,9 @@ def main():
     for seed in range(cli.rounds):
         # Seed r: train.py's warm-up with seed r (cached, and done before any timing), then both RL runs
         # from it with seed r. Alternating the two spreads the machine's slow moments over both.
-        with tempfile.TemporaryDirectory() as out_dir:
-            args = train.get_args(train_args(cli.steps, seed, out_dir))
-            model, tokenizer = load_model(train.warm_up(args))
-            start = held_out_success(model, tokenizer, args)
+        args = train.get_args(bench_flags(seed))
+        model, tokenizer = load_model(train.warm_up(args))
+        start = held_out_success(model, tokenizer, args)
         print(f"round {seed + 1}/{cli.rounds} (seed {seed}): held-out success of the warm-up {start:.3f}", flush=True)
         for name in results:
             child = subprocess.run([sys.executable, __file__, "--worker", name, "--steps", str(cli.steps),

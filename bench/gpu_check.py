@@ -3,7 +3,7 @@ GPU check: what CI's CPU machines cannot show. Run it from the repository root o
 CUDA GPU (after `pip install -r requirements-dev.txt`; `requirements-gpu.txt` adds vLLM):
 
     python bench/gpu_check.py
-    python bench/gpu_check.py --peak_tflops 989      # a card bench_train.py does not know
+    python bench/gpu_check.py --peak_tflops 362      # a card bench_train.py does not know (here an L40S)
 
 1. the GPU-marked tests (tests/test_gpu.py): the samplers' log-probs against the trainer's on the
    GPU, a short bf16 training run, and the VLLMSampler with its weight sync when vLLM is installed;

@@ -210,14 +210,14 @@ TINY_NAMES = ("Amber Aspen Birch Cedar Coral Daisy Delta Ember Fable Fern Flint 
               "Turtle Anchor Pillow Dragon Volcano Tiger").split()  # the last six: the bandit's arms
 
 
-def tiny_tokenizer(vocab_size=2048):
+def tiny_tokenizer():
     """A small byte-level BPE tokenizer with Qwen2.5's pipeline, special tokens and chat template.
 
     Deterministic: the BPE trainer sees the same corpus every time, so the vocabulary is the same.
     """
     bpe = _byte_level_pipeline(Tokenizer(models.BPE()))
     trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size, show_progress=False,
+        vocab_size=2048, show_progress=False,  # a cap: the small corpus yields about 900 merges and tokens
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),  # all 256 bytes: any text encodes
     )
     bpe.train_from_iterator(TINY_CORPUS * 4, trainer=trainer)

@@ -414,7 +414,7 @@ def test_frozen_lake_slip_frequencies():
 
 
 def grid_bfs(start, moves, is_goal):
-    """Reference breadth-first search written for the tests."""
+    """Reference breadth-first search written for the tests, independent of envs.bfs_reachable on purpose."""
     queue, seen = deque([start]), {start}
     while queue:
         state = queue.popleft()

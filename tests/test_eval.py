@@ -14,7 +14,7 @@ import eval as evaluation
 import rollout
 import tools
 from nanoagent import models
-from nanoagent.sampler import Generation
+from nanoagent.sampler import Generation, per_row
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -32,7 +32,7 @@ class ScriptedSampler:
         self.tokenizer, self.script, self.prompts = tokenizer, script, []
 
     def generate(self, prompts, max_new_tokens, temperature=1.0, top_p=1.0, stop_token_ids=(), seed=0):
-        seeds = seed if isinstance(seed, list) else [seed] * len(prompts)
+        seeds = per_row(seed, len(prompts))
         generations = []
         for prompt, row_seed in zip(prompts, seeds):
             self.prompts.append(list(prompt))

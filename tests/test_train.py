@@ -192,7 +192,7 @@ def test_torchrun_two_processes_end_with_identical_weights(tmp_path):
         "digest = hashlib.sha256(b''.join(p.detach().numpy().tobytes() for p in policy.parameters())).hexdigest()\n"
         f"open(os.path.join({str(tmp_path)!r}, 'weights-' + os.environ['RANK']), 'w').write(digest)\n")
     # Warm up once here, so the two ranks only read the cache.
-    train.main(BANDIT + ["--steps", "1", "--out_dir", str(tmp_path / "single")])
+    train.warm_up(train.get_args(BANDIT))
     env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
     result = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(script),
