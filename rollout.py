@@ -39,6 +39,7 @@ environment tokens: observations are only appended when another turn follows.
 """
 
 import hashlib
+import json
 from dataclasses import dataclass
 from functools import lru_cache
 
@@ -90,13 +91,20 @@ def rendered_dummy(tokenizer, chat_template):
 def observation_tokens(tokenizer, observations):
     """The environment's tokens after an assistant's <|im_end|>: the template's text for `observations`
     (tool results and/or user messages) plus the next assistant header, by suffix difference."""
-    before = rendered_dummy(tokenizer, tokenizer.chat_template)
-    after = render(tokenizer, DUMMY_CONVERSATION + observations, add_generation_prompt=True)
+    return list(cached_observation_tokens(tokenizer, tokenizer.chat_template, json.dumps(observations)))
+
+
+@lru_cache(maxsize=4096)
+def cached_observation_tokens(tokenizer, chat_template, observations_json):
+    """observation_tokens, remembered by the observations' text: the members of a GRPO group mostly make
+    the same calls and read the same results, so most observations of a step were rendered before."""
+    before = rendered_dummy(tokenizer, chat_template)
+    after = render(tokenizer, DUMMY_CONVERSATION + json.loads(observations_json), add_generation_prompt=True)
     assert after.startswith(before), "the chat template rewrote earlier turns when new messages were added"
     turn_end = before.rindex(END_OF_TURN) + len(END_OF_TURN)
     # The cut sits right after a special token, which the tokenizer always splits on, so encoding the
     # suffix alone gives the same ids as encoding the whole conversation.
-    return encode(tokenizer, after[turn_end:])
+    return tuple(encode(tokenizer, after[turn_end:]))
 
 
 def sample_seed_for(sample_seed, env_seed, member, turn):
@@ -189,7 +197,8 @@ def rollout(sampler, tokenizer, make_env, seeds, group_size, max_turns, max_new_
 def collate(trajectories, pad_token_id):
     """Right-pad trajectories into (B, T) tensors for the trainer. Token-aligned: action_mask[b, t] = 1 iff
     token t of row b was sampled, sampler_logprobs[b, t] is its log-prob, token_rewards[b, t] holds the
-    rewards of the turns that end at t (masks.place_rewards; each turn ends on its last sampled token)."""
+    rewards of the turns that end at t (masks.place_rewards; each turn ends on its last sampled token),
+    prompt_lengths[b] counts the opening prompt tokens of row b."""
     num_rows, width = len(trajectories), max(len(trajectory.token_ids) for trajectory in trajectories)
     batch = {
         "input_ids": torch.full((num_rows, width), pad_token_id, dtype=torch.long),
@@ -206,6 +215,7 @@ def collate(trajectories, pad_token_id):
     batch["token_rewards"] = masks.place_rewards([trajectory.turn_rewards for trajectory in trajectories],
                                                  [trajectory.turn_end_positions for trajectory in trajectories],
                                                  batch["action_mask"])  # (B, T)
+    batch["prompt_lengths"] = torch.tensor([trajectory.prompt_length for trajectory in trajectories])  # (B,)
     batch["scores"] = torch.tensor([trajectory.score for trajectory in trajectories], dtype=torch.float32)  # (B,)
     batch["group_ids"] = torch.tensor([trajectory.group_id for trajectory in trajectories], dtype=torch.long)  # (B,)
     batch["truncated"] = torch.tensor([trajectory.truncated for trajectory in trajectories])  # (B,)

@@ -141,18 +141,65 @@ def warm_up(args, device="cpu"):
                        seed=args.seed, device=device)
 
 
-def token_logprobs(model, input_ids, attention_mask, temperature, positions=None, with_entropy=False):
+def shared_prompt_hidden(model, input_ids, attention_mask, prompt_lengths):
+    """The model body's last hidden states (B, T, D) of right-padded rows, each distinct prompt run once.
+
+    The G members of a GRPO group start with the same prompt (system message, tool schemas, question),
+    most of a short episode's tokens. Its forward pass runs once per distinct prompt, and every row
+    runs only its own rest, attending to its prompt's keys and values as to a KV cache (the sampler's
+    prefill does the same). Gradients flow back through the shared pass as through G copies of it.
+    Positions from each row's last prompt token on hold that position's hidden state; earlier positions
+    (whose predictions are prompt tokens, which no loss reads) are not computed and hold garbage.
+    """
+    width, device = input_ids.shape[1], input_ids.device
+    distinct = {}  # prompt tokens -> its row in the prompt batch
+    owner = torch.tensor([distinct.setdefault(tuple(input_ids[row, :length].tolist()), len(distinct))
+                          for row, length in enumerate(prompt_lengths.tolist())], device=device)  # (B,)
+    # The distinct prompts, left-padded so that each ends in the last column; positions count real tokens.
+    prompt_width = int(prompt_lengths.max())
+    prompt_ids = torch.zeros(len(distinct), prompt_width, dtype=torch.long, device=device)  # (U, P)
+    prompt_mask = torch.zeros_like(prompt_ids)  # (U, P)
+    for prompt, row in distinct.items():
+        prompt_ids[row, prompt_width - len(prompt):] = torch.tensor(prompt, device=device)
+        prompt_mask[row, prompt_width - len(prompt):] = 1
+    prompt_out = model.base_model(input_ids=prompt_ids, attention_mask=prompt_mask,
+                                  position_ids=(prompt_mask.cumsum(dim=1) - 1).clamp(min=0), use_cache=True)
+    cache = prompt_out.past_key_values
+    cache.batch_select_indices(owner)  # (U, ...) -> (B, ...): each row reads its own prompt's keys and values
+    # The rest of every row, left-aligned and right-padded: (B, R); its positions continue the prompt's.
+    rest_lengths = attention_mask.sum(dim=1) - prompt_lengths  # (B,)
+    rest_width = max(int(rest_lengths.max()), 1)
+    columns = torch.arange(rest_width, device=device)  # (R,)
+    rest_ids = input_ids.gather(1, (prompt_lengths[:, None] + columns).clamp(max=width - 1))  # (B, R)
+    mask = torch.cat([prompt_mask[owner], (columns < rest_lengths[:, None]).long()], dim=1)  # (B, P + R)
+    rest_hidden = model.base_model(input_ids=rest_ids, attention_mask=mask, past_key_values=cache,
+                                   position_ids=prompt_lengths[:, None] + columns).last_hidden_state  # (B, R, D)
+    # Back to the rows' own columns: column j of `tail` is position prompt_length - 1 + j.
+    tail = torch.cat([prompt_out.last_hidden_state[owner, -1:], rest_hidden], dim=1)  # (B, 1 + R, D)
+    source = (torch.arange(width, device=device) - prompt_lengths[:, None] + 1).clamp(0, rest_width)  # (B, T)
+    return tail.gather(1, source[..., None].expand(-1, -1, tail.shape[-1]))  # (B, T, D)
+
+
+def token_logprobs(model, input_ids, attention_mask, temperature, positions=None, with_entropy=False,
+                   prompt_lengths=None):
     """Log-prob of every token given the ones before it, at the sampling temperature: (B, T-1).
 
     Position t's hidden state predicts token t+1, so the result is aligned with input_ids[:, 1:]. The
     sampler reports log-softmax(logits / T) of what it sampled, so the trainer scores with the same T.
     With `positions` (B, T-1), only the marked positions go through the LM head, and the others are 0.
     The head and its vocabulary-wide softmax are most of a small model's work, and most of a
-    trajectory is prompt and environment tokens whose log-probs no loss reads.
+    trajectory is prompt and environment tokens whose log-probs no loss reads. With `prompt_lengths`
+    (B,), rows that share a prompt run it once (shared_prompt_hidden); `positions` must then leave out
+    the prompt, whose log-probs are not computed.
     """
     assert getattr(model.config, "final_logit_softcapping", None) is None, "logits = lm_head(hidden) is assumed"
-    hidden = model.base_model(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state  # (B, T, D)
     keep = (attention_mask[:, 1:] if positions is None else positions).bool()  # (B, T-1)
+    if prompt_lengths is None:
+        hidden = model.base_model(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state  # (B, T, D)
+    else:
+        in_prompt = torch.arange(keep.shape[1], device=keep.device) < prompt_lengths[:, None] - 1  # (B, T-1)
+        assert not (keep & in_prompt).any(), "with prompt_lengths, positions must leave out the prompt"
+        hidden = shared_prompt_hidden(model, input_ids, attention_mask, prompt_lengths)  # (B, T, D)
     logits = model.get_output_embeddings()(hidden[:, :-1][keep]).float() / temperature  # (K, V), K kept positions
     logprobs_all = torch.log_softmax(logits, dim=-1)
     logprobs = torch.zeros(keep.shape, dtype=logits.dtype, device=logits.device)  # (B, T-1)
@@ -184,9 +231,14 @@ def is_single_update(args, num_rows, step):
             and step >= args.critic_warmup)
 
 
-def critic_values(critic, input_ids, attention_mask):
-    """V(state before token t+1) for t = 0..T-2: (B, T-1), aligned like token_logprobs."""
-    return critic(input_ids=input_ids, attention_mask=attention_mask).logits.squeeze(-1)[:, :-1].float()
+def critic_values(critic, input_ids, attention_mask, prompt_lengths=None):
+    """V(state before token t+1) for t = 0..T-2: (B, T-1), aligned like token_logprobs. With prompt_lengths,
+    rows share their prompt's pass as in token_logprobs, and values before the last prompt token are garbage
+    (GAE and the value loss read agent positions only)."""
+    if prompt_lengths is None:
+        return critic(input_ids=input_ids, attention_mask=attention_mask).logits.squeeze(-1)[:, :-1].float()
+    hidden = shared_prompt_hidden(critic, input_ids, attention_mask, prompt_lengths)  # (B, T, D)
+    return critic.score(hidden).squeeze(-1)[:, :-1].float()  # the token classifier's head (no dropout: load_critic)
 
 
 def keep_high_variance_groups(trajectories, filter_ratio):
@@ -297,7 +349,7 @@ def main(argv=None):
         from nanoagent.sampler import VLLMSampler  # vLLM exists on GPU nodes only
         sampler = VLLMSampler(str(model_path), seed=args.seed + rank, max_model_len=args.max_total_tokens)
     else:
-        sampler = TorchSampler(policy, batch_size=32)  # shares the policy's weights: always in sync
+        sampler = TorchSampler(policy)  # shares the policy's weights; all rows in one batch (see bench_sampler)
     make_env = envs.env_factory(args.env, args.env_options, data=args.data, split="train")
     logger = None
     if args.wandb and master:
@@ -311,6 +363,10 @@ def main(argv=None):
     if args.eval_every > 0 and start_step == 0:
         history.append({"step": 0, **evaluate(sampler, tokenizer, args, rank, world_size)})
         print0(f"step 0 | held-out success {history[-1]['eval_success']:.3f}")
+    # The members of a group share their prompt's forward pass, unless the loss reads the prompt too or
+    # the model has sliding-window layers (they would keep only the window of the prompt's keys).
+    layer_types = getattr(policy.config, "layer_types", None) or []
+    share_prompts = not args.no_action_mask and "sliding_attention" not in layer_types
     progress = tqdm(range(start_step, args.steps), desc="RL", disable=not master, initial=start_step, total=args.steps)
     run_start = time.time()
     for step in progress:
@@ -327,6 +383,7 @@ def main(argv=None):
         input_ids, attention_mask = batch["input_ids"], batch["attention_mask"]  # (B, T)
         # The loss mask: tokens the policy chose (or, in the ablation, every real token).
         loss_mask = (attention_mask if args.no_action_mask else batch["action_mask"])[:, 1:].float()  # (B, T-1)
+        prompt_lengths = batch["prompt_lengths"] if share_prompts else None  # (B,)
         token_rewards = batch["token_rewards"][:, 1:].clone()  # (B, T-1), on each turn's last agent token
 
         # 3. Score the batch with the pre-update policy (the "old" policy of the PPO ratio), reference, critic.
@@ -336,11 +393,12 @@ def main(argv=None):
         single_update = is_single_update(args, num_rows, step)
         with torch.no_grad():
             if not single_update:
-                old_logprobs, _ = token_logprobs(policy, input_ids, attention_mask, args.temperature, loss_mask)
+                old_logprobs, _ = token_logprobs(policy, input_ids, attention_mask, args.temperature, loss_mask,
+                                                 prompt_lengths=prompt_lengths)
                 mismatch = logprob_mismatch(batch["sampler_logprobs"][:, 1:], old_logprobs, batch["action_mask"][:, 1:])
-            ref_logprobs = (token_logprobs(reference, input_ids, attention_mask, args.temperature, loss_mask)[0]
-                            if reference else None)
-            values = critic_values(critic, input_ids, attention_mask) if critic else None
+            ref_logprobs = (token_logprobs(reference, input_ids, attention_mask, args.temperature, loss_mask,
+                                           prompt_lengths=prompt_lengths)[0] if reference else None)
+            values = critic_values(critic, input_ids, attention_mask, prompt_lengths) if critic else None
             if args.kl == "in_reward":  # Agent-R1's PPO: r_t -= β KL_t on every agent token
                 token_rewards -= args.kl_coef * masks.kl_estimate(old_logprobs, ref_logprobs, loss_mask, args.kl_estimator)
 
@@ -363,7 +421,8 @@ def main(argv=None):
                 rows = order[start:start + minibatch_size].to(device)
                 mask = loss_mask[rows]
                 if critic is not None:  # clipped value loss: 0.5 max((V - R)^2, (clip(V) - R)^2)
-                    new_values = critic_values(critic, input_ids[rows], attention_mask[rows])
+                    new_values = critic_values(critic, input_ids[rows], attention_mask[rows],
+                                               None if prompt_lengths is None else prompt_lengths[rows])
                     clipped = values[rows] + (new_values - values[rows]).clamp(-args.value_clip, args.value_clip)
                     value_loss = 0.5 * torch.max((new_values - returns[rows]) ** 2, (clipped - returns[rows]) ** 2)
                     value_loss = masks.aggregate_loss(value_loss, mask, "token-mean")
@@ -375,8 +434,9 @@ def main(argv=None):
                     stats["value_loss"].append(value_loss.item())
                 if step < args.critic_warmup:
                     continue  # the critic learns the returns before the policy follows its advantages
-                logprobs, entropy = token_logprobs(policy, input_ids[rows], attention_mask[rows], args.temperature,
-                                                   mask, with_entropy=True)
+                logprobs, entropy = token_logprobs(
+                    policy, input_ids[rows], attention_mask[rows], args.temperature, mask, with_entropy=True,
+                    prompt_lengths=None if prompt_lengths is None else prompt_lengths[rows])
                 if single_update:
                     old = logprobs.detach()
                     mismatch = logprob_mismatch(batch["sampler_logprobs"][rows, 1:], old, batch["action_mask"][rows, 1:])
@@ -416,6 +476,7 @@ def main(argv=None):
             / max(1, sum(t.info.get("tool_calls", 0) for t in trajectories)),
             "response_tokens": statistics.fmean(sum(t.action_mask) for t in trajectories),
             "trajectory_tokens": statistics.fmean(len(t.token_ids) for t in trajectories),
+            "prompt_tokens": statistics.fmean(t.prompt_length for t in trajectories),
             "truncated": statistics.fmean(float(t.truncated) for t in trajectories),
             "logprob_mismatch": mismatch,
             **{key: statistics.fmean(values) if values else 0.0 for key, values in stats.items()},

@@ -9,6 +9,9 @@ Same model (the tiny one), same 64 prompts of 20-300 tokens (left-padded for gen
     TorchSampler drops them. Only tokens up to each row's stop token count.
   - GRPO groups: the same, but 8 distinct prompts x 8 samples each, as in a training step's first
     turn. TorchSampler prefills each distinct prompt once; generate prefills all 64 rows.
+  - next turn: the turn after "rollout turn": each prompt, its sampled turn and 20 environment
+    tokens. The TorchSampler that sampled the first turn (untimed) prefills only the new tokens
+    from its kept cache; generate prefills the whole conversation, as a turn-by-turn loop over it does.
 TorchSampler also returns every token's log-prob; generate is asked for none. Run from the repository
 root (one torch thread by default: timings on a shared 2-core machine are steadier that way):
 
@@ -75,13 +78,17 @@ def hf_generate_tokens(prompts, stop_token_ids):
     return count
 
 
-def tokens_per_second(generate, prompts, stop_token_ids):
-    generate(prompts, stop_token_ids)  # warm-up
+def tokens_per_second(generate, prompts, stop_token_ids, before=None):
+    """Median generated tokens/s of `generate` over args.repeats runs, after a warm-up; `before()`, if
+    given, runs untimed before each run (the first turn, for the next-turn workload)."""
     rates = []
-    for _ in range(args.repeats):
+    for repeat in range(args.repeats + 1):  # run 0 is the warm-up
+        if before is not None:
+            before()
         start = time.perf_counter()
         tokens = generate(prompts, stop_token_ids)
-        rates.append(tokens / (time.perf_counter() - start))
+        if repeat:
+            rates.append(tokens / (time.perf_counter() - start))
     return statistics.median(rates)
 
 
@@ -91,9 +98,18 @@ vllm_sampler = None
 if args.device == "cuda" and importlib.util.find_spec("vllm") is not None:
     from nanoagent.sampler import VLLMSampler
     vllm_sampler = VLLMSampler(resolve_model_path("tiny"), gpu_memory_utilization=0.3, max_model_len=512)
+first_turn = TorchSampler(model).generate(prompts, args.max_new_tokens, stop_token_ids=ROLLOUT_STOPS,
+                                         seed=list(range(len(prompts))))
+NEXT_TURN = [prompt + generation.token_ids + torch.randint(0, len(tokenizer), (20,), generator=generator).tolist()
+             for prompt, generation in zip(prompts, first_turn)]  # what a second turn's prompts look like
 for name, rows, stop_token_ids in [("fixed length", prompts, []), ("rollout turn", prompts, ROLLOUT_STOPS),
-                                   ("GRPO groups", GROUPED, ROLLOUT_STOPS)]:
-    ours = tokens_per_second(sampler_tokens(TorchSampler(model, batch_size=args.batch_size)), rows, stop_token_ids)
+                                   ("GRPO groups", GROUPED, ROLLOUT_STOPS), ("next turn", NEXT_TURN, ROLLOUT_STOPS)]:
+    sampler = TorchSampler(model, batch_size=args.batch_size)
+    if name == "next turn":  # the same sampler samples the first turn, untimed, before every timed second turn
+        ours = tokens_per_second(sampler_tokens(sampler), rows, stop_token_ids,
+                                 before=lambda: sampler_tokens(sampler)(prompts, ROLLOUT_STOPS))
+    else:
+        ours = tokens_per_second(sampler_tokens(sampler), rows, stop_token_ids)
     theirs = tokens_per_second(hf_generate_tokens, rows, stop_token_ids)
     line = f"{name:13s} TorchSampler {ours:7.0f} tokens/s   model.generate {theirs:7.0f} tokens/s   {ours / theirs:5.2f}x"
     if vllm_sampler is not None:

@@ -12,11 +12,13 @@ share of the card's datasheet bf16 peak (known cards below, or --peak_tflops):
 
 Cost model, per step. T = tokens of all trajectories of the step, K = the agent's tokens among them
 (the ones the loss reads), N_body = parameters of the transformer body, N_head = the LM head's.
-A forward pass costs F = 2 N_body T + 2 N_head K: train.py sends only the loss's positions through
-the LM head (train.token_logprobs). A backward pass costs 2F.
+T_p = T less the prompt tokens that the G members of a group share: the policy runs each group's
+prompt once (train.shared_prompt_hidden). A policy forward pass costs F = 2 N_body T_p + 2 N_head K:
+train.py sends only the loss's positions through the LM head (train.token_logprobs). A backward
+pass costs 2F.
   policy:  3F per update pass (forward + backward), per PPO epoch; + F for the old log-probs, unless
            the step is a single update, which reuses its own forward (train.py, step 3)
-  critic:  PPO only, 2 N_body T (values) + 6 N_body T per epoch (its head has one output)
+  critic:  PPO only, 2 N_body T_p (values) + 6 N_body T_p per epoch (its head has one output)
   rollout: not counted; it is mostly small decode steps, bound by memory and Python, not by FLOPs.
 Attention's T^2 term is left out: at these lengths (about 150 tokens) it is a few percent of 2 N_body.
 """
@@ -87,11 +89,16 @@ def main():
     body = total - embedding.numel() - (0 if head is embedding else head.numel())  # a lookup costs no FLOPs
     episodes = args.prompts_per_step * args.group_size
     agent_tokens = statistics.fmean(h["response_tokens"] for h in history[2:]) * episodes  # K, per step (T: tokens)
-    forward = 2 * body * tokens + 2 * head.numel() * (tokens if args.no_action_mask else agent_tokens)
+    shared_prompts = statistics.fmean(h["prompt_tokens"] for h in history[2:]) * (episodes - args.prompts_per_step)
+    if args.no_action_mask:  # the loss reads every position: nothing is shared, every position goes through the head
+        body_tokens, head_tokens = tokens, tokens
+    else:
+        body_tokens, head_tokens = tokens - shared_prompts, agent_tokens  # T_p, K
+    forward = 2 * body * body_tokens + 2 * head.numel() * head_tokens
     single_update = train.is_single_update(args, episodes, args.steps - 1)  # no separate old-log-prob pass
     flops = (3 * args.ppo_epochs + (0 if single_update else 1) + (1 if args.kl != "none" else 0)) * forward
     if args.algo == "ppo":
-        flops += (2 + 6 * args.ppo_epochs) * body * tokens
+        flops += (2 + 6 * args.ppo_epochs) * body * body_tokens
     ceiling = matmul_ceiling(parameter.device, parameter.dtype, 8192 if parameter.device.type == "cuda" else 1024)
     achieved = flops / seconds
     peak_mb = peak_memory_mb()

@@ -311,10 +311,14 @@ def load_critic(name_or_path, device="cpu", dtype=torch.float32):
     Call it as `critic(input_ids, attention_mask=...).logits.squeeze(-1)` -> (B, T).
     """
     path = resolve_model_path(name_or_path)
-    is_saved_critic = "ForTokenClassification" in (AutoConfig.from_pretrained(path).architectures or [""])[0]
+    config = AutoConfig.from_pretrained(path, num_labels=1)
+    is_saved_critic = "ForTokenClassification" in (config.architectures or [""])[0]
+    # No dropout before the head: the token classifier's default of 0.1 would put noise in the values
+    # that GAE reads while the critic trains (PPO trainers switch dropout off).
+    config.classifier_dropout = 0.0
     verbosity = transformers_logging.get_verbosity()
     transformers_logging.set_verbosity_error()  # silence the expected "score.* newly initialised" report
-    critic = AutoModelForTokenClassification.from_pretrained(path, num_labels=1, dtype=dtype)
+    critic = AutoModelForTokenClassification.from_pretrained(path, config=config, dtype=dtype)
     transformers_logging.set_verbosity(verbosity)
     if not is_saved_critic:  # a policy checkpoint: the head is new, start it at zero
         torch.nn.init.zeros_(critic.score.weight)

@@ -6,7 +6,9 @@ one until it writes a stop token or runs out of room". Two samplers answer it wi
 - `TorchSampler`: plain PyTorch on the trainer's own model, CPU or GPU. Every row of the batch goes
   through one forward per decode step with a KV cache; prompts of different lengths are left-padded,
   with position ids counted from each row's first real token, so padding changes nothing a row sees.
-  A row that finishes is dropped from the batch and the cache. This is what the tests and CPU runs use.
+  A row that finishes is dropped from the batch and the cache, and its keys and values are kept for
+  the next call: turn k+1's prompt is turn k's prompt, its sampled turn and the env's answer, so only
+  the answer needs a forward pass (a prefix cache, as vLLM has). This is what the tests and CPU runs use.
 - `VLLMSampler`: a vLLM engine colocated with the trainer on each GPU, for real models. The trainer's
   weights are pushed into it after every update.
 
@@ -83,17 +85,27 @@ class TorchSampler:
     """Batched KV-cache generation with the trainer's own HF causal LM (CPU or GPU).
 
     batch_size caps how many rows decode together (None: all of them); rows are grouped by length so
-    that little padding is computed. Results do not depend on batch_size (per-row seeds). On CPU,
-    groups of ~32 rows beat one big batch (bench/bench_sampler.py): a short prompt in a batch of long
-    ones pays for the padding in every layer of every step.
+    that little padding is computed. Results do not depend on batch_size (per-row seeds).
+
+    Prefix cache: every call keeps the keys and values of the rows it finished, under the tokens they
+    cover (prompt and sampled tokens but the last, which was never fed back). The next call looks for
+    the longest kept sequence that starts each of its prompts and prefills only the rest. Only the
+    last call's rows are kept (that is all a multi-turn rollout reuses, and memory stays one batch's
+    cache), and nothing is reused across a change of weights: cached keys were computed by the old ones.
     """
 
     def __init__(self, model, batch_size=None):
         self.model, self.batch_size = model, batch_size
+        self.saved, self.saved_weights = {}, None  # token tuple -> per layer (keys, values), each (H, L, d)
 
     def update_weights(self, model):
         """Sample from `model` from now on. The trainer's model is used in place, so nothing is copied."""
-        self.model = model
+        self.model, self.saved = model, {}
+
+    def weights_version(self):
+        """Changes whenever a parameter is written in place (optimizer step, load_state_dict): PyTorch's
+        version counter of each tensor, what autograd uses to catch tensors modified after use."""
+        return [parameter._version for parameter in self.model.parameters()]
 
     def generate(self, prompts, max_new_tokens, temperature=1.0, top_p=1.0, stop_token_ids=(), seed=0):
         """Continue every prompt (a list of token ids); returns one Generation per prompt, in order.
@@ -103,6 +115,9 @@ class TorchSampler:
         assert all(len(prompt) > 0 for prompt in prompts), "every prompt needs at least one token"
         max_new_tokens, seeds = per_row(max_new_tokens, len(prompts)), per_row(seed, len(prompts))
         assert min(max_new_tokens, default=1) >= 1, "max_new_tokens must be at least 1 for every row"
+        version = self.weights_version()
+        previous = self.saved if self.saved_weights == version else {}  # the last call's rows, if still valid
+        self.saved, self.saved_weights = {}, version
         order = sorted(range(len(prompts)), key=lambda row: len(prompts[row]))  # similar lengths together
         chunk = self.batch_size or max(len(prompts), 1)
         results = [None] * len(prompts)
@@ -111,14 +126,24 @@ class TorchSampler:
         for start in range(0, len(order), chunk):
             rows = order[start:start + chunk]
             generations = self._generate_batch([prompts[r] for r in rows], [max_new_tokens[r] for r in rows],
-                                               temperature, top_p, set(stop_token_ids), [seeds[r] for r in rows])
+                                               temperature, top_p, set(stop_token_ids), [seeds[r] for r in rows],
+                                               previous)
             for row, generation in zip(rows, generations):
                 results[row] = generation
         self.model.train(was_training)
         return results
 
+    @staticmethod
+    def longest_saved_prefix(prompt, saved, saved_lengths):
+        """(number of cached tokens, per-layer (keys, values)) of the longest saved sequence that starts
+        `prompt`, leaving at least its last token to run (its logits start the sampling); (0, None) if none."""
+        for length in saved_lengths:  # longest first
+            if length <= len(prompt) and (layers := saved.get(tuple(prompt[:length]))) is not None:
+                return min(length, len(prompt) - 1), layers
+        return 0, None
+
     @torch.inference_mode()
-    def _generate_batch(self, prompts, max_new_tokens, temperature, top_p, stop_token_ids, seeds):
+    def _generate_batch(self, prompts, max_new_tokens, temperature, top_p, stop_token_ids, seeds, previous):
         device = next(self.model.parameters()).device
         num_rows = len(prompts)
         # The members of a GRPO group start from the same prompt: prefill each distinct prompt once, then
@@ -126,16 +151,38 @@ class TorchSampler:
         distinct = {}  # prompt -> its row in the prefill batch
         copy_of = torch.tensor([distinct.setdefault(tuple(prompt), len(distinct)) for prompt in prompts],
                                device=device)  # (B,)
-        width = max(len(prompt) for prompt in distinct)
-        # Left padding: every row's last prompt token sits in the last column, so one step appends one
-        # column for everyone. Pad positions are masked out of attention, and position ids count real
-        # tokens only, so a padded row computes what it would compute alone.
-        input_ids = torch.zeros(len(distinct), width, dtype=torch.long, device=device)  # (U, L), U distinct prompts
-        attention_mask = torch.zeros(len(distinct), width, dtype=torch.long, device=device)  # (U, L)
-        for row, prompt in enumerate(distinct):
-            input_ids[row, width - len(prompt):] = torch.tensor(prompt, device=device)
-            attention_mask[row, width - len(prompt):] = 1
-        position_ids = (attention_mask.cumsum(dim=1) - 1).clamp(min=0)  # (U, L)
+        saved_lengths = sorted({len(tokens) for tokens in previous}, reverse=True)
+        reused = [self.longest_saved_prefix(prompt, previous, saved_lengths) for prompt in distinct]
+        cached_width = max(cached for cached, _ in reused)  # C: the widest reused prefix
+        new_width = max(len(prompt) - cached for prompt, (cached, _) in zip(distinct, reused))  # S: widest rest
+        # Left padding, twice: row u is [pad | its c_u cached tokens | pad | its s_u new tokens], so every
+        # row's last prompt token sits in the last column and one step appends one column for everyone.
+        # Pad columns are masked out of attention, and position ids count real tokens only, so a padded
+        # row computes what it would compute alone.
+        input_ids = torch.zeros(len(distinct), new_width, dtype=torch.long, device=device)  # (U, S), U distinct prompts
+        position_ids = torch.zeros(len(distinct), new_width, dtype=torch.long, device=device)  # (U, S)
+        attention_mask = torch.zeros(len(distinct), cached_width + new_width, dtype=torch.long, device=device)  # (U, C+S)
+        for row, (prompt, (cached, _)) in enumerate(zip(distinct, reused)):
+            new = len(prompt) - cached
+            input_ids[row, new_width - new:] = torch.tensor(prompt[cached:], device=device)
+            position_ids[row, new_width - new:] = torch.arange(cached, len(prompt), device=device)
+            attention_mask[row, cached_width - cached:cached_width] = 1
+            attention_mask[row, cached_width + new_width - new:] = 1
+        cache = DynamicCache(config=self.model.config)
+        # A sliding-window layer keeps only its window's keys, fewer than the mask's columns: keep nothing then.
+        keep_finished = not any(cache.is_sliding)
+        if cached_width:  # seed the cache with the reused keys and values, laid out as the mask says
+            num_layers = len(next(layers for _, layers in reused if layers is not None))
+            for layer in range(num_layers):
+                keys_and_values = []
+                for part in (0, 1):
+                    like = next(layers[layer][part] for _, layers in reused if layers is not None)  # (H, L, d)
+                    tensor = like.new_zeros(len(distinct), like.shape[0], cached_width, like.shape[2])  # (U, H, C, d)
+                    for row, (cached, layers) in enumerate(reused):
+                        if cached:
+                            tensor[row, :, cached_width - cached:] = layers[layer][part][:, :cached]
+                    keys_and_values.append(tensor)
+                cache.update(*keys_and_values, layer)
         # Each row draws all its uniforms up front from its own seed: its samples cannot depend on the batch.
         uniforms = torch.zeros(num_rows, max(max_new_tokens))  # (B, max_new_tokens)
         for row, (limit, seed) in enumerate(zip(max_new_tokens, seeds)):
@@ -143,12 +190,11 @@ class TorchSampler:
         uniforms = uniforms.to(device)
         generations = [Generation([], [], "length") for _ in prompts]
         live = list(range(num_rows))  # the original row of each row still in the batch
-        cache = DynamicCache(config=self.model.config)
         logits = self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
                             past_key_values=cache, use_cache=True, logits_to_keep=1).logits[:, -1]  # (U, V)
         cache.batch_select_indices(copy_of)  # (U, ...) -> (B, ...)
-        logits, attention_mask = logits[copy_of], attention_mask[copy_of]  # (B, V), (B, L)
-        next_position = position_ids[copy_of, -1] + 1  # (B,)
+        logits, attention_mask = logits[copy_of], attention_mask[copy_of]  # (B, V), (B, C+S)
+        next_position = torch.tensor([len(prompt) for prompt in prompts], device=device)  # (B,)
         while True:
             step = len(generations[live[0]].token_ids)  # every live row has sampled the same number of tokens
             tokens, logprobs = sample_tokens(logits, temperature, top_p, uniforms[live, step])
@@ -161,6 +207,11 @@ class TorchSampler:
                     generation.finish_reason = "stop"
                 elif len(generation.token_ids) < max_new_tokens[row]:
                     keep.append(index)
+                    continue
+                if keep_finished:  # its keys and values: the prompt and every sampled token but this last one
+                    columns = attention_mask[index].bool()
+                    self.saved[tuple(prompts[row]) + tuple(generation.token_ids[:-1])] = [
+                        (layer.keys[index][:, columns], layer.values[index][:, columns]) for layer in cache.layers]
             if not keep:
                 return generations
             if len(keep) < len(live):  # drop finished rows from the batch and the cache: they cost nothing more
@@ -168,7 +219,7 @@ class TorchSampler:
                 cache.batch_select_indices(kept)
                 tokens, attention_mask, next_position = tokens[kept], attention_mask[kept], next_position[kept]
                 live = [live[index] for index in keep]
-            attention_mask = torch.cat([attention_mask, attention_mask.new_ones(len(live), 1)], dim=1)  # (B, L+t)
+            attention_mask = torch.cat([attention_mask, attention_mask.new_ones(len(live), 1)], dim=1)  # (B, C+S+t)
             logits = self.model(input_ids=tokens[:, None], attention_mask=attention_mask,
                                 position_ids=next_position[:, None], past_key_values=cache, use_cache=True).logits[:, -1]
             next_position = next_position + 1

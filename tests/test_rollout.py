@@ -126,6 +126,10 @@ def test_observation_tokens_are_the_template_text():
     expected = ("\n<|im_start|>user\n<tool_response>\n7\n</tool_response>\n<tool_response>\nerror: unknown tool"
                 "\n</tool_response><|im_end|>\n<|im_start|>assistant\n")
     assert observation_tokens(tokenizer, OBSERVATIONS[0]) == tokenizer.encode(expected, add_special_tokens=False)
+    # The second time comes from the cache: a fresh list, so that changing it cannot change the cache.
+    again = observation_tokens(tokenizer, OBSERVATIONS[0])
+    again.append(-1)
+    assert observation_tokens(tokenizer, OBSERVATIONS[0]) == tokenizer.encode(expected, add_special_tokens=False)
 
 
 def test_where_qwen25_is_not_prefix_preserving():
@@ -203,6 +207,8 @@ def test_collate_pads_and_places_rewards():
     assert batch["token_rewards"][0].sum().item() == pytest.approx(sum(REWARDS))
     assert batch["scores"].tolist() == pytest.approx([sum(REWARDS), 0.0])
     assert batch["group_ids"].tolist() == [0, 0] and batch["truncated"].tolist() == [False, True]
+    assert batch["prompt_lengths"].tolist() == [full.prompt_length, short.prompt_length]
+    assert batch["action_mask"][0, :full.prompt_length].eq(0).all() and batch["action_mask"][0, full.prompt_length] == 1
 
 
 @pytest.fixture(scope="module")

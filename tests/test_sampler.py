@@ -162,6 +162,65 @@ def test_update_weights_switches_models(model):
     assert [g.token_ids for g in after] != [g.token_ids for g in before]
 
 
+def prefill_widths(model):
+    """Records the input width of every forward pass: a prefill is wider than one token."""
+    widths = []
+    handle = model.register_forward_pre_hook(lambda _, args, kwargs: widths.append(kwargs["input_ids"].shape[1]),
+                                             with_kwargs=True)
+    return widths, handle
+
+
+def test_next_turn_reuses_the_kept_cache_and_scores_like_a_fresh_pass(model):
+    sampler = TorchSampler(model)
+    first = sampler.generate(PROMPTS, 6, temperature=1.0, seed=[1, 2, 3, 4])
+    # The next turn: each prompt, its sampled turn, then "environment" tokens of different lengths.
+    second_turn = [prompt + generation.token_ids + list(range(200, 200 + extra))
+                   for prompt, generation, extra in zip(PROMPTS, first, (3, 5, 1, 4))]
+    widths, handle = prefill_widths(model)
+    reused = sampler.generate(second_turn, 8, temperature=0.7, seed=[5, 6, 7, 8])
+    handle.remove()
+    assert widths[0] == 5 + 1  # only the new tokens: the env's (at most 5) and the last sampled one
+    fresh = TorchSampler(model).generate(second_turn, 8, temperature=0.7, seed=[5, 6, 7, 8])
+    for prompt, generation, reference in zip(second_turn, reused, fresh):
+        assert generation.token_ids == reference.token_ids
+        expected = teacher_forced_logprobs(model, prompt, generation.token_ids, 0.7)
+        assert torch.allclose(torch.tensor(generation.logprobs), expected, atol=1e-5)
+    # Asking for a sequence the last call kept: everything but its last token comes from the cache.
+    kept = second_turn[1] + reused[1].token_ids[:-1]
+    widths, handle = prefill_widths(model)
+    again = sampler.generate([kept], 4, temperature=0.0)[0]
+    handle.remove()
+    assert widths[0] == 1 and again.token_ids == TorchSampler(model).generate([kept], 4, temperature=0.0)[0].token_ids
+
+
+def test_prefix_cache_is_dropped_when_the_weights_change():
+    model = tiny_model(tiny_tokenizer(), seed=0)
+    sampler = TorchSampler(model)
+    first = sampler.generate(PROMPTS, 6, temperature=0.0)
+    with torch.no_grad():  # an optimizer step in place, as in training: the kept keys are stale now
+        for parameter in model.parameters():
+            parameter.add_(0.05 * torch.randn_like(parameter))
+    second_turn = [prompt + generation.token_ids + [200] for prompt, generation in zip(PROMPTS, first)]
+    widths, handle = prefill_widths(model)
+    after = sampler.generate(second_turn, 6, temperature=0.0)
+    handle.remove()
+    assert widths[0] == max(len(prompt) for prompt in second_turn)  # everything prefilled again
+    assert [g.token_ids for g in after] == [g.token_ids for g in TorchSampler(model).generate(second_turn, 6, temperature=0.0)]
+
+
+def test_sliding_window_layers_keep_nothing_between_calls():
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+    config = Qwen2Config(**{**tiny_model(tiny_tokenizer(), seed=0).config.to_dict(), "use_sliding_window": True,
+                            "sliding_window": 4, "max_window_layers": 1, "layer_types": None})
+    model = Qwen2ForCausalLM(config).eval()  # layer 1 attends to the last 4 tokens only
+    sampler = TorchSampler(model)
+    first = sampler.generate(PROMPTS, 6, temperature=0.0)
+    assert sampler.saved == {}
+    second_turn = [prompt + generation.token_ids + [200] for prompt, generation in zip(PROMPTS, first)]
+    assert ([g.token_ids for g in sampler.generate(second_turn, 6, temperature=0.0)]
+            == [g.token_ids for g in TorchSampler(model).generate(second_turn, 6, temperature=0.0)])
+
+
 def test_training_mode_is_restored(model):
     model.train()
     TorchSampler(model).generate(PROMPTS[:1], 2)

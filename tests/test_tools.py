@@ -237,11 +237,31 @@ def test_run_tool_call_isolates_exceptions_timeouts_and_long_outputs():
     assert run_tool_call(ToolCall("broken", {}), tools) == ("Error: tool 'broken' failed: RuntimeError: boom", False)
     assert run_tool_call(ToolCall("stuck", {}), tools, timeout_s=0.1) == (
         "Error: tool 'stuck' timed out after 0.1 s", False)
-    release.set()
-    assert run_tool_call(ToolCall("long", {}), tools, max_output_chars=100) == (
+    # The stuck call still holds its thread: the calls after it must not queue behind it.
+    assert run_tool_call(ToolCall("long", {}), tools, max_output_chars=100, timeout_s=1.0) == (
         "x" * 100 + "\n... [truncated 4900 characters]", True)
     assert run_tool_call(ToolCall("long", {}), tools, max_output_chars=5000) == ("x" * 5000, True)
     assert run_tool_call(ToolCall("number", {}), tools) == ("42", True)
+    release.set()
+
+
+def test_tool_calls_share_one_worker_thread_until_one_times_out():
+    release = threading.Event()
+    tools = {"where": Tool("where", "", {"type": "object", "properties": {}}, threading.get_ident),
+             "stuck": Tool("stuck", "", {"type": "object", "properties": {}}, lambda: release.wait(10))}
+    first, _ = run_tool_call(ToolCall("where", {}), tools)
+    second, _ = run_tool_call(ToolCall("where", {}), tools)
+    assert first == second != str(threading.get_ident())  # one worker, not the caller's thread
+    assert run_tool_call(ToolCall("stuck", {}), tools, timeout_s=0.05)[1] is False
+    third, _ = run_tool_call(ToolCall("where", {}), tools)
+    assert third not in (first, str(threading.get_ident()))  # a fresh worker replaced the stuck one
+    release.set()
+    # Another calling thread gets a worker of its own.
+    other = []
+    caller = threading.Thread(target=lambda: other.append(run_tool_call(ToolCall("where", {}), tools)[0]))
+    caller.start()
+    caller.join()
+    assert other[0] not in (third, str(threading.get_ident()))
 
 
 def test_parse_then_run_a_whole_turn():

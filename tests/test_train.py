@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import train
-from nanoagent.models import load_model
+from nanoagent.models import load_critic, load_model
 from rollout import Trajectory
 
 REPO = Path(__file__).resolve().parent.parent
@@ -112,6 +112,55 @@ def test_log_probs_match_a_plain_loop_and_positions_only_skip_work(tiny_batch):
         gradients.append(torch.cat([p.grad.flatten() for p in model.parameters()]))
     model.zero_grad(set_to_none=True)
     assert torch.allclose(gradients[0], gradients[1], atol=1e-6)
+
+
+def test_shared_prompt_pass_matches_separate_rows_in_values_and_gradients(tiny_batch):
+    model = tiny_batch[0]
+    torch.manual_seed(1)
+    # Two groups of three rows: prompts of 6 and 4 tokens, then rests of different lengths, right-padded.
+    prompts = [torch.randint(10, 800, (6,)).tolist(), torch.randint(10, 800, (4,)).tolist()]
+    rests = [torch.randint(10, 800, (n,)).tolist() for n in (7, 3, 9, 5, 1, 0)]
+    rows = [prompts[row // 3] + rest for row, rest in enumerate(rests)]
+    width = max(len(row) for row in rows)
+    input_ids = torch.tensor([row + [0] * (width - len(row)) for row in rows])  # (6, 15)
+    attention_mask = torch.tensor([[1] * len(row) + [0] * (width - len(row)) for row in rows])
+    prompt_lengths = torch.tensor([len(prompts[row // 3]) for row in range(6)])
+    # The loss positions: every position from the last prompt token on (it predicts the first agent token).
+    positions = attention_mask[:, 1:] * (torch.arange(width - 1) >= prompt_lengths[:, None] - 1)  # (6, 14)
+    results = []
+    for shared in (None, prompt_lengths):
+        model.zero_grad(set_to_none=True)
+        logprobs, entropy = train.token_logprobs(model, input_ids, attention_mask, 0.7, positions, with_entropy=True,
+                                                 prompt_lengths=shared)
+        (logprobs.sum() + 0.1 * entropy.sum()).backward()
+        results.append((logprobs.detach(), entropy.detach(), [p.grad.clone() for p in model.parameters()]))
+    model.zero_grad(set_to_none=True)
+    (plain, plain_entropy, plain_grads), (shared, shared_entropy, shared_grads) = results
+    assert positions.sum() == 7 + 3 + 9 + 5 + 1 and (shared[positions == 1] != 0).all()
+    assert torch.allclose(plain, shared, atol=1e-5) and torch.allclose(plain_entropy, shared_entropy, atol=1e-5)
+    for plain_grad, shared_grad in zip(plain_grads, shared_grads):
+        assert torch.allclose(plain_grad, shared_grad, atol=1e-5, rtol=1e-4)
+    # The prompt's own log-probs are not computed on the shared path: asking for them is an error.
+    with pytest.raises(AssertionError, match="leave out the prompt"):
+        train.token_logprobs(model, input_ids, attention_mask, 1.0, attention_mask[:, 1:], prompt_lengths=prompt_lengths)
+
+
+def test_critic_values_with_a_shared_prompt_pass_match_and_have_no_dropout_noise(tmp_path):
+    model, tokenizer = load_model("tiny")
+    model.save_pretrained(tmp_path)
+    tokenizer.save_pretrained(tmp_path)
+    critic = load_critic(tmp_path).train()  # trained in train mode: its values must still be deterministic
+    torch.nn.init.normal_(critic.score.weight)
+    torch.manual_seed(2)
+    input_ids = torch.cat([torch.randint(10, 800, (1, 5)).repeat(4, 1), torch.randint(10, 800, (4, 6))], dim=1)
+    attention_mask = torch.ones_like(input_ids)
+    attention_mask[1, 8:] = 0
+    prompt_lengths = torch.tensor([5, 5, 5, 5])
+    plain = train.critic_values(critic, input_ids, attention_mask)
+    assert torch.equal(plain, train.critic_values(critic, input_ids, attention_mask))
+    shared = train.critic_values(critic, input_ids, attention_mask, prompt_lengths)
+    read = (attention_mask[:, 1:] == 1) & (torch.arange(10) >= 4)  # from the last prompt token on
+    assert torch.allclose(plain[read], shared[read], atol=1e-5)
 
 
 def test_environment_tokens_get_no_gradient(tiny_batch):
