@@ -172,11 +172,10 @@ class TorchSampler:
         # A sliding-window layer keeps only its window's keys, fewer than the mask's columns: keep nothing then.
         keep_finished = not any(cache.is_sliding)
         if cached_width:  # seed the cache with the reused keys and values, laid out as the mask says
-            num_layers = len(next(layers for _, layers in reused if layers is not None))
-            for layer in range(num_layers):
+            any_reused = next(layers for _, layers in reused if layers is not None)
+            for layer, parts in enumerate(any_reused):
                 keys_and_values = []
-                for part in (0, 1):
-                    like = next(layers[layer][part] for _, layers in reused if layers is not None)  # (H, L, d)
+                for part, like in enumerate(parts):  # keys, then values: (H, L, d)
                     tensor = like.new_zeros(len(distinct), like.shape[0], cached_width, like.shape[2])  # (U, H, C, d)
                     for row, (cached, layers) in enumerate(reused):
                         if cached:
