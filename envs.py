@@ -292,7 +292,7 @@ class SearchQAEnv(ToolEnv):
 
 # Made-up entities get names from this list of short English words, drawn fresh (and wired into fresh
 # relations) for every seed, so nothing about an episode can be memorised. The tiny model's tokenizer
-# (nanoagent/models.py, TINY_CORPUS) has each name as a single token, so copying a name is one step.
+# (nanoagent/models.py, TINY_NAMES) has each name as a single token, so copying a name is one step.
 NAMES = ("Amber Aspen Birch Cedar Coral Daisy Delta Ember Fable Fern Flint Frost Gale Grove Hazel Heron "
          "Iris Ivory Jade Juniper Kestrel Lark Laurel Lotus Maple Marsh Meadow Mint Moss Nova Oak Olive "
          "Onyx Opal Orchid Pearl Pebble Pine Plum Quartz Raven Reed Ridge Robin Rose Ruby Rust Sage "

@@ -82,23 +82,18 @@ def encode(tokenizer, text):
     return tokenizer.encode(text, add_special_tokens=False)
 
 
-@lru_cache(maxsize=8)
-def rendered_dummy(tokenizer, chat_template):
-    """DUMMY_CONVERSATION rendered, once per tokenizer and template rather than once per observation."""
-    return render(tokenizer, DUMMY_CONVERSATION)
-
-
 def observation_tokens(tokenizer, observations):
     """The environment's tokens after an assistant's <|im_end|>: the template's text for `observations`
     (tool results and/or user messages) plus the next assistant header, by suffix difference."""
-    return list(cached_observation_tokens(tokenizer, tokenizer.chat_template, json.dumps(observations)))
+    # The template is part of the key (as text: a tokenizer may hold a dict of named templates).
+    return list(cached_observation_tokens(tokenizer, str(tokenizer.chat_template), json.dumps(observations)))
 
 
 @lru_cache(maxsize=4096)
 def cached_observation_tokens(tokenizer, chat_template, observations_json):
     """observation_tokens, remembered by the observations' text: the members of a GRPO group mostly make
     the same calls and read the same results, so most observations of a step were rendered before."""
-    before = rendered_dummy(tokenizer, chat_template)
+    before = render(tokenizer, DUMMY_CONVERSATION)
     after = render(tokenizer, DUMMY_CONVERSATION + json.loads(observations_json), add_generation_prompt=True)
     assert after.startswith(before), "the chat template rewrote earlier turns when new messages were added"
     turn_end = before.rindex(END_OF_TURN) + len(END_OF_TURN)

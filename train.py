@@ -241,19 +241,24 @@ def critic_values(critic, input_ids, attention_mask, prompt_lengths=None):
     return critic.score(hidden).squeeze(-1)[:, :-1].float()  # the token classifier's head (no dropout: load_critic)
 
 
+def group_reward_stds(trajectories):
+    """{group_id: std of the group's scores}: how informative each group is (0: all members scored alike)."""
+    scores = {}
+    for trajectory in trajectories:
+        scores.setdefault(trajectory.group_id, []).append(trajectory.score)
+    return {group_id: statistics.pstdev(group_scores) for group_id, group_scores in scores.items()}
+
+
 def keep_high_variance_groups(trajectories, filter_ratio):
     """StarPO-S variance filtering: keep the top `filter_ratio` of groups ranked by in-group reward std.
 
     A group whose samples all score alike carries no learning signal for GRPO and little for PPO;
     RAGEN found that training on the informative groups delays and softens collapse (the Echo Trap).
     """
-    groups = {}
-    for trajectory in trajectories:
-        groups.setdefault(trajectory.group_id, []).append(trajectory)
-    spread = {group_id: statistics.pstdev([t.score for t in members]) for group_id, members in groups.items()}
-    keep_count = max(1, math.ceil(filter_ratio * len(groups)))
-    kept = sorted(groups, key=lambda group_id: (-spread[group_id], group_id))[:keep_count]
-    return [trajectory for group_id in sorted(kept) for trajectory in groups[group_id]]
+    spread = group_reward_stds(trajectories)
+    keep_count = max(1, math.ceil(filter_ratio * len(spread)))
+    kept = set(sorted(spread, key=lambda group_id: (-spread[group_id], group_id))[:keep_count])
+    return sorted((t for t in trajectories if t.group_id in kept), key=lambda t: t.group_id)  # stable: members keep their order
 
 
 def all_reduce_gradients(model, world_size):
@@ -376,7 +381,7 @@ def main(argv=None):
         trajectories = rollout.rollout(sampler, tokenizer, make_env, seeds, args.group_size, args.max_turns,
                                        args.max_new_tokens, args.max_total_tokens, temperature=args.temperature,
                                        sample_seed=args.seed * 1_000_003 + step, truncated_reward=args.truncated_reward)
-        group_stds = [statistics.pstdev([t.score for t in trajectories if t.group_id == g]) for g in range(len(seeds))]
+        group_stds = list(group_reward_stds(trajectories).values())
         # 2. StarPO-S: train on the groups whose outcomes differ (informative ones).
         kept = keep_high_variance_groups(trajectories, args.filter_ratio)  # filter_ratio 1.0 keeps them all
         batch = {key: value.to(device) for key, value in rollout.collate(kept, tokenizer.pad_token_id).items()}
@@ -420,9 +425,9 @@ def main(argv=None):
             for start in range(0, num_rows, minibatch_size):
                 rows = order[start:start + minibatch_size].to(device)
                 mask = loss_mask[rows]
+                rows_prompt_lengths = None if prompt_lengths is None else prompt_lengths[rows]
                 if critic is not None:  # clipped value loss: 0.5 max((V - R)^2, (clip(V) - R)^2)
-                    new_values = critic_values(critic, input_ids[rows], attention_mask[rows],
-                                               None if prompt_lengths is None else prompt_lengths[rows])
+                    new_values = critic_values(critic, input_ids[rows], attention_mask[rows], rows_prompt_lengths)
                     clipped = values[rows] + (new_values - values[rows]).clamp(-args.value_clip, args.value_clip)
                     value_loss = 0.5 * torch.max((new_values - returns[rows]) ** 2, (clipped - returns[rows]) ** 2)
                     value_loss = masks.aggregate_loss(value_loss, mask, "token-mean")
@@ -434,9 +439,8 @@ def main(argv=None):
                     stats["value_loss"].append(value_loss.item())
                 if step < args.critic_warmup:
                     continue  # the critic learns the returns before the policy follows its advantages
-                logprobs, entropy = token_logprobs(
-                    policy, input_ids[rows], attention_mask[rows], args.temperature, mask, with_entropy=True,
-                    prompt_lengths=None if prompt_lengths is None else prompt_lengths[rows])
+                logprobs, entropy = token_logprobs(policy, input_ids[rows], attention_mask[rows], args.temperature,
+                                                   mask, with_entropy=True, prompt_lengths=rows_prompt_lengths)
                 if single_update:
                     old = logprobs.detach()
                     mismatch = logprob_mismatch(batch["sampler_logprobs"][rows, 1:], old, batch["action_mask"][rows, 1:])
@@ -459,7 +463,7 @@ def main(argv=None):
                     stats["policy_loss"].append(loss.item())
                     stats["entropy"].append(masks.masked_mean(entropy, mask).item())
                     stats["clip_fraction"].append(masks.masked_mean(clipped_tokens.float(), mask).item())
-                    stats["approx_kl"].append(masks.masked_mean(0.5 * ratio.log() ** 2, mask).item())
+                    stats["approx_kl"].append(masks.masked_mean(masks.kl_estimate(logprobs, old, mask, "k2"), mask).item())
                     stats["grad_norm"].append(grad_norm.item())
         # 6. Sync: TorchSampler samples from `policy` itself; vLLM gets the new weights pushed.
         sampler.update_weights(policy)

@@ -2,7 +2,7 @@
 Benchmark: TorchSampler against transformers' model.generate, in generated tokens per second (CPU).
 
 Same model (the tiny one), same 64 prompts of 20-300 tokens (left-padded for generate), same sampling
-(temperature 1, no top-k, no top-p). Three workloads:
+(temperature 1, no top-k, no top-p). Four workloads:
   - fixed length: no stop tokens, every row writes exactly max_new_tokens. Pure engine speed.
   - rollout turn: 14 token ids stop a row (~1.3% of the vocabulary, so rows end at different times,
     as agent turns do). generate keeps computing finished rows until the last one stops;

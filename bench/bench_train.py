@@ -20,6 +20,7 @@ pass costs 2F.
            the step is a single update, which reuses its own forward (train.py, step 3)
   critic:  PPO only, 2 N_body T_p (values) + 6 N_body T_p per epoch (its head has one output)
   rollout: not counted; it is mostly small decode steps, bound by memory and Python, not by FLOPs.
+With --filter_ratio < 1 the update sees only the kept groups: the count is scaled by their share.
 Attention's T^2 term is left out: at these lengths (about 150 tokens) it is a few percent of 2 N_body.
 """
 
@@ -95,10 +96,12 @@ def main():
     else:
         body_tokens, head_tokens = tokens - shared_prompts, agent_tokens  # T_p, K
     forward = 2 * body * body_tokens + 2 * head.numel() * head_tokens
-    single_update = train.is_single_update(args, episodes, args.steps - 1)  # no separate old-log-prob pass
+    kept = statistics.fmean(h["kept_trajectories"] for h in history[2:])  # StarPO-S filtering may drop groups
+    single_update = train.is_single_update(args, round(kept), args.steps - 1)  # no separate old-log-prob pass
     flops = (3 * args.ppo_epochs + (0 if single_update else 1) + (1 if args.kl != "none" else 0)) * forward
     if args.algo == "ppo":
         flops += (2 + 6 * args.ppo_epochs) * body * body_tokens
+    flops *= kept / episodes  # the update trains on the kept trajectories only (taken to be of average length)
     ceiling = matmul_ceiling(parameter.device, parameter.dtype, 8192 if parameter.device.type == "cuda" else 1024)
     achieved = flops / seconds
     peak_mb = peak_memory_mb()

@@ -1,6 +1,7 @@
 """
 GPU check: what CI's CPU machines cannot show. Run it from the repository root on a machine with a
-CUDA GPU (after `pip install -r requirements-dev.txt`; `requirements-gpu.txt` adds vLLM):
+CUDA GPU, after the README's GPU set-up (`pip install -r requirements-gpu.txt`: vLLM and pytest; on a node
+without vLLM, `pip install -r requirements-dev.txt` is enough):
 
     python bench/gpu_check.py
     python bench/gpu_check.py --peak_tflops 362      # a card bench_train.py does not know (here an L40S)

@@ -270,7 +270,9 @@ def save_tiny_model(path, seed=0):
 def resolve_model_path(name_or_path):
     """Map 'tiny' to its cached directory (building it on first use); anything else is returned as is.
 
-    The directory is named after a hash of the tiny recipe, so changing the recipe never loads a stale build.
+    The directory is named after a hash of the recipe's data (corpus, added tokens, names, shape, chat
+    template), so changing them never loads a stale build; a change to the building code itself must
+    add what it changes to `recipe`.
     """
     if name_or_path == "tiny":
         recipe = json.dumps([TINY_CORPUS, TINY_EXTRA_TOKENS, TINY_NAMES, TINY_SHAPE, QWEN25_CHAT_TEMPLATE])

@@ -81,6 +81,17 @@ def logprob_mismatch(sampler_logprobs, trainer_logprobs, mask):
     return (difference[mask].sum() / mask.sum().clamp(min=1)).item()
 
 
+def left_padded(rows, width):
+    """(H, L_i, d) tensors, or None for a row with none -> one (N, H, width, d) tensor, each row right-aligned
+    and zero on the left (the KV-cache layout of left-padded prompts)."""
+    like = next(tensor for tensor in rows if tensor is not None)
+    padded = like.new_zeros(len(rows), like.shape[0], width, like.shape[2])  # (N, H, width, d)
+    for row, tensor in enumerate(rows):
+        if tensor is not None:
+            padded[row, :, width - tensor.shape[1]:] = tensor
+    return padded
+
+
 class TorchSampler:
     """Batched KV-cache generation with the trainer's own HF causal LM (CPU or GPU).
 
@@ -91,7 +102,8 @@ class TorchSampler:
     cover (prompt and sampled tokens but the last, which was never fed back). The next call looks for
     the longest kept sequence that starts each of its prompts and prefills only the rest. Only the
     last call's rows are kept (that is all a multi-turn rollout reuses, and memory stays one batch's
-    cache), and nothing is reused across a change of weights: cached keys were computed by the old ones.
+    cache), and nothing may be reused across a change of weights: cached keys were computed by the old
+    ones. Call update_weights after changing them, as train.py does after every update.
     """
 
     def __init__(self, model, batch_size=None):
@@ -103,8 +115,10 @@ class TorchSampler:
         self.model, self.saved = model, {}
 
     def weights_version(self):
-        """Changes whenever a parameter is written in place (optimizer step, load_state_dict): PyTorch's
-        version counter of each tensor, what autograd uses to catch tensors modified after use."""
+        """PyTorch's version counter of each parameter (what autograd uses to catch tensors modified after
+        use): a safety net that drops the kept caches after an ordinary in-place write (a torch.optim step,
+        load_state_dict) even without update_weights. Writes through `.data` or fused optimizers do not
+        count, so update_weights stays the rule."""
         return [parameter._version for parameter in self.model.parameters()]
 
     def generate(self, prompts, max_new_tokens, temperature=1.0, top_p=1.0, stop_token_ids=(), seed=0):
@@ -172,16 +186,10 @@ class TorchSampler:
         # A sliding-window layer keeps only its window's keys, fewer than the mask's columns: keep nothing then.
         keep_finished = not any(cache.is_sliding)
         if cached_width:  # seed the cache with the reused keys and values, laid out as the mask says
-            any_reused = next(layers for _, layers in reused if layers is not None)
-            for layer, parts in enumerate(any_reused):
-                keys_and_values = []
-                for part, like in enumerate(parts):  # keys, then values: (H, L, d)
-                    tensor = like.new_zeros(len(distinct), like.shape[0], cached_width, like.shape[2])  # (U, H, C, d)
-                    for row, (cached, layers) in enumerate(reused):
-                        if cached:
-                            tensor[row, :, cached_width - cached:] = layers[layer][part][:, :cached]
-                    keys_and_values.append(tensor)
-                cache.update(*keys_and_values, layer)
+            num_layers = len(next(layers for _, layers in reused if layers is not None))
+            for layer in range(num_layers):
+                cache.update(*(left_padded([layers[layer][part][:, :cached] if cached else None
+                                            for cached, layers in reused], cached_width) for part in (0, 1)), layer)
         # Each row draws all its uniforms up front from its own seed: its samples cannot depend on the batch.
         uniforms = torch.zeros(num_rows, max(max_new_tokens))  # (B, max_new_tokens)
         for row, (limit, seed) in enumerate(zip(max_new_tokens, seeds)):
@@ -208,7 +216,7 @@ class TorchSampler:
                     keep.append(index)
                     continue
                 if keep_finished:  # its keys and values: the prompt and every sampled token but this last one
-                    columns = attention_mask[index].bool()
+                    columns = attention_mask[index].nonzero().squeeze(1)  # found once, used by every layer
                     self.saved[tuple(prompts[row]) + tuple(generation.token_ids[:-1])] = [
                         (layer.keys[index][:, columns], layer.values[index][:, columns]) for layer in cache.layers]
             if not keep:

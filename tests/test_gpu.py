@@ -44,8 +44,8 @@ def test_short_bf16_training_run_on_cuda(tmp_path):
     policy, history = train.main(argv)
     assert next(policy.parameters()).dtype == torch.bfloat16  # autodetected on a bf16-capable GPU
     assert all(torch.isfinite(torch.tensor(h["policy_loss"])) for h in history)
-    # bf16 KV-cache decoding and the bf16 training forward round differently, but only slightly; stale
-    # weights in the sampler would show here as a jump.
+    # bf16 KV-cache decoding and the bf16 training forward round differently, but only slightly. (The
+    # TorchSampler shares the policy's weights, so this checks rounding; the vLLM test checks staleness.)
     assert max(h["logprob_mismatch"] for h in history) < 0.1
 
 

@@ -51,7 +51,7 @@ def test_batching_is_invisible_greedy(model):
 
 
 def test_batching_is_invisible_with_per_row_seeds(model):
-    # Temperature 0.2: the untrained model is nearly uniform over ~1300 tokens, so at temperature 1 the
+    # Temperature 0.2: the untrained model is nearly uniform over ~1000 tokens, so at temperature 1 the
     # CDF has a boundary every ~1e-3 and the float noise of a differently shaped (batched) matmul, ~1e-6,
     # flips a draw now and then. A trained policy is peaked; 0.2 makes this one peaked too.
     sampler = TorchSampler(model)
@@ -67,19 +67,25 @@ def test_batching_is_invisible_with_per_row_seeds(model):
     assert twins[0].token_ids != twins[1].token_ids
 
 
+def input_shapes(model):
+    """Records the input_ids shape of every forward pass (the prefill's is the first), and the hook's handle."""
+    shapes = []
+    handle = model.register_forward_pre_hook(lambda _, args, kwargs: shapes.append(tuple(kwargs["input_ids"].shape)),
+                                             with_kwargs=True)
+    return shapes, handle
+
+
 def test_rows_sharing_a_prompt_are_prefilled_once_and_sampled_independently(model):
     # A GRPO group: the same prompts several times, mixed with others, in one batch. The prompt is
     # prefilled once and its cache copied; every row must still be what it would be alone.
     prompts = [PROMPTS[1], PROMPTS[0], PROMPTS[1], PROMPTS[3], PROMPTS[1], PROMPTS[0]]
     seeds = [5, 6, 7, 8, 9, 10]
-    calls = []
-    hook = model.register_forward_pre_hook(lambda module, args, kwargs: calls.append(kwargs["input_ids"].shape),
-                                           with_kwargs=True)
+    shapes, hook = input_shapes(model)
     try:
         batched = TorchSampler(model).generate(prompts, 8, temperature=0.2, seed=seeds)
     finally:
         hook.remove()
-    assert calls[0] == (3, 20)  # the prefill: 3 distinct prompts, the longest 20 tokens
+    assert shapes[0] == (3, 20)  # the prefill: 3 distinct prompts, the longest 20 tokens
     for prompt, seed, generation in zip(prompts, seeds, batched):
         alone = TorchSampler(model).generate([prompt], 8, temperature=0.2, seed=seed)[0]
         assert alone.token_ids == generation.token_ids
@@ -162,24 +168,16 @@ def test_update_weights_switches_models(model):
     assert [g.token_ids for g in after] != [g.token_ids for g in before]
 
 
-def prefill_widths(model):
-    """Records the input width of every forward pass: a prefill is wider than one token."""
-    widths = []
-    handle = model.register_forward_pre_hook(lambda _, args, kwargs: widths.append(kwargs["input_ids"].shape[1]),
-                                             with_kwargs=True)
-    return widths, handle
-
-
 def test_next_turn_reuses_the_kept_cache_and_scores_like_a_fresh_pass(model):
     sampler = TorchSampler(model)
     first = sampler.generate(PROMPTS, 6, temperature=1.0, seed=[1, 2, 3, 4])
     # The next turn: each prompt, its sampled turn, then "environment" tokens of different lengths.
     second_turn = [prompt + generation.token_ids + list(range(200, 200 + extra))
                    for prompt, generation, extra in zip(PROMPTS, first, (3, 5, 1, 4))]
-    widths, handle = prefill_widths(model)
+    shapes, handle = input_shapes(model)
     reused = sampler.generate(second_turn, 8, temperature=0.7, seed=[5, 6, 7, 8])
     handle.remove()
-    assert widths[0] == 5 + 1  # only the new tokens: the env's (at most 5) and the last sampled one
+    assert shapes[0][1] == 5 + 1  # only the new tokens: the env's (at most 5) and the last sampled one
     fresh = TorchSampler(model).generate(second_turn, 8, temperature=0.7, seed=[5, 6, 7, 8])
     for prompt, generation, reference in zip(second_turn, reused, fresh):
         assert generation.token_ids == reference.token_ids
@@ -187,10 +185,10 @@ def test_next_turn_reuses_the_kept_cache_and_scores_like_a_fresh_pass(model):
         assert torch.allclose(torch.tensor(generation.logprobs), expected, atol=1e-5)
     # Asking for a sequence the last call kept: everything but its last token comes from the cache.
     kept = second_turn[1] + reused[1].token_ids[:-1]
-    widths, handle = prefill_widths(model)
+    shapes, handle = input_shapes(model)
     again = sampler.generate([kept], 4, temperature=0.0)[0]
     handle.remove()
-    assert widths[0] == 1 and again.token_ids == TorchSampler(model).generate([kept], 4, temperature=0.0)[0].token_ids
+    assert shapes[0][1] == 1 and again.token_ids == TorchSampler(model).generate([kept], 4, temperature=0.0)[0].token_ids
 
 
 def test_prefix_cache_is_dropped_when_the_weights_change():
@@ -201,10 +199,10 @@ def test_prefix_cache_is_dropped_when_the_weights_change():
         for parameter in model.parameters():
             parameter.add_(0.05 * torch.randn_like(parameter))
     second_turn = [prompt + generation.token_ids + [200] for prompt, generation in zip(PROMPTS, first)]
-    widths, handle = prefill_widths(model)
+    shapes, handle = input_shapes(model)
     after = sampler.generate(second_turn, 6, temperature=0.0)
     handle.remove()
-    assert widths[0] == max(len(prompt) for prompt in second_turn)  # everything prefilled again
+    assert shapes[0][1] == max(len(prompt) for prompt in second_turn)  # everything prefilled again
     assert [g.token_ids for g in after] == [g.token_ids for g in TorchSampler(model).generate(second_turn, 6, temperature=0.0)]
 
 
