@@ -134,6 +134,11 @@ def get_args(argv=None):
     return args
 
 
+def starting_weights(args, device="cpu"):
+    """Where a new run's weights come from: the warmed-up model, or --model itself with --warmup_steps 0."""
+    return warm_up(args, device) if args.warmup_steps > 0 else resolve_model_path(args.model)
+
+
 def warm_up(args, device="cpu"):
     """sft.warm_up with this run's flags; returns the warmed-up checkpoint (cached: later calls are free)."""
     return sft.warm_up(args.model, args.env, args.env_options, clean_steps=args.warmup_clean_steps,
@@ -319,19 +324,18 @@ def main(argv=None):
     assert args.resume or checkpoint is None, \
         f"{out_dir} already holds a run: pass --resume to continue it, or choose another --out_dir"
 
-    # Starting weights: a checkpoint to resume, or the (warmed-up) model. Rank 0 warms up; the others wait for it.
+    # Starting weights: a checkpoint to resume, or the (warmed-up) model. Rank 0 builds what goes into the
+    # cache (the warm-up, the tiny model); the others wait, then find it there.
     if checkpoint is not None:
         model_path, trainer_state = checkpoint, load_trainer_state(checkpoint)
         print0(f"resuming from {checkpoint} (step {trainer_state['step']})")
-    elif args.warmup_steps > 0:
+    else:
         if master:
-            model_path = warm_up(args, device)
+            model_path = starting_weights(args, device)
         if ddp:
             dist.barrier()
         if not master:
-            model_path = warm_up(args, device)  # cached by rank 0 by now: only returns the path
-    else:
-        model_path = resolve_model_path(args.model)
+            model_path = starting_weights(args, device)  # cached by rank 0 by now: only returns the path
     reference_path = model_path if checkpoint is None else trainer_state["reference"]  # KL's anchor: the start
     policy, tokenizer = load_model(model_path, device=device, dtype=dtype)
     policy.train()
@@ -368,6 +372,8 @@ def main(argv=None):
     if args.eval_every > 0 and start_step == 0:
         history.append({"step": 0, **evaluate(sampler, tokenizer, args, rank, world_size)})
         print0(f"step 0 | held-out success {history[-1]['eval_success']:.3f}")
+    if master:  # the log restarts from the history: a resumed run drops the steps after its checkpoint
+        (out_dir / "metrics.jsonl").write_text("".join(json.dumps(metrics) + "\n" for metrics in history))
     # The members of a group share their prompt's forward pass, unless the loss reads the prompt too or
     # the model has sliding-window layers (they would keep only the window of the prompt's keys).
     layer_types = getattr(policy.config, "layer_types", None) or []

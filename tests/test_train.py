@@ -2,6 +2,7 @@
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -230,6 +231,18 @@ def test_resume_gives_the_same_weights_as_an_unbroken_run(tmp_path):
     assert (tmp_path / "broken" / "latest").read_text().strip() == "step_000004"
     with pytest.raises(AssertionError, match="already holds a run"):  # never silently overwrite a run
         train.main(common + ["--steps", "4", "--out_dir", str(tmp_path / "straight")])
+
+
+def test_resume_after_lost_steps_logs_each_step_once(tmp_path):
+    run = tmp_path / "run"
+    common = BANDIT + ["--save_every", "2", "--out_dir", str(run)]
+    train.main(common + ["--steps", "3"])
+    # A crash after step 3 but before its checkpoint: the newest complete checkpoint is step 2.
+    shutil.rmtree(run / "step_000003")
+    (run / "latest").write_text("step_000002")
+    train.main(common + ["--steps", "4", "--resume"])
+    lines = (run / "metrics.jsonl").read_text().splitlines()
+    assert [json.loads(line)["step"] for line in lines] == [1, 2, 3, 4]
 
 
 def test_torchrun_two_processes_end_with_identical_weights(tmp_path):
