@@ -17,11 +17,13 @@ checkpoints as they were. On resume, `latest_checkpoint` checks each directory a
 newest first, and skips (with a warning) one that is partial or corrupted.
 """
 
+import contextlib
 import json
 import os
 import random
 import shutil
 import tempfile
+import warnings
 from pathlib import Path
 
 import torch
@@ -127,8 +129,9 @@ def save_checkpoint(out_dir, step, policy, tokenizer, trainer_state, critic=None
                 if master:
                     save_pretrained_from(model, subdirectory, state_dict)
         if optimizers:  # collective: when it returns, every rank's shards are written
-            dcp.save({name: get_optimizer_state_dict(model, optimizer) for name, (model, optimizer) in optimizers.items()},
-                     checkpoint_id=directory / "optimizer", no_dist=not is_sharded())
+            with single_process_quiet():
+                dcp.save({name: get_optimizer_state_dict(model, optimizer) for name, (model, optimizer) in optimizers.items()},
+                         checkpoint_id=directory / "optimizer", no_dist=not is_sharded())
         if master:
             tokenizer.save_pretrained(directory)
             torch.save(trainer_state, directory / "trainer_state.pt")
@@ -150,11 +153,21 @@ def save_checkpoint(out_dir, step, policy, tokenizer, trainer_state, critic=None
     return path
 
 
+@contextlib.contextmanager
+def single_process_quiet():
+    """Silence torch.distributed.checkpoint's warning that no process group is up: without torchrun that is
+    the plan (no_dist=True), not a mistake, and it would print at every checkpoint."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
+        yield
+
+
 def load_optimizers(path, optimizers):
     """Restore the optimizers saved with a checkpoint, resharded to this run's ranks (any number of them).
     optimizers: {name: (model, optimizer)} as given to save_checkpoint, the models already sharded."""
     state = {name: get_optimizer_state_dict(model, optimizer) for name, (model, optimizer) in optimizers.items()}
-    dcp.load(state, checkpoint_id=Path(path) / "optimizer", no_dist=not is_sharded())  # in place, into this run's shards
+    with single_process_quiet():
+        dcp.load(state, checkpoint_id=Path(path) / "optimizer", no_dist=not is_sharded())  # in place, into this run's shards
     for name, (model, optimizer) in optimizers.items():
         set_optimizer_state_dict(model, optimizer, state[name])
 
