@@ -110,6 +110,9 @@ def get_args(argv=None):
     parser.add_argument("--loss_agg", default=None, choices=["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"],
                         help="how the policy, KL and entropy terms sum over tokens (default token-mean; Dr.GRPO's with --dr_grpo)")
     parser.add_argument("--no_action_mask", action="store_true", help="ablation: environment tokens enter the loss too")
+    parser.add_argument("--on_echo_trap", default="warn", choices=["warn", "stabilize"],
+                        help="when the Echo-Trap monitor fires: only warn, or also switch on variance filtering "
+                             "(--filter_ratio 0.25) and halve the learning rate (see stabilize_on_echo_trap)")
     parser.add_argument("--tis_cap", type=float, default=None, help="truncated importance sampling: weight each token "
                         "by min(pi_trainer_old / pi_sampler, cap), for a sampler whose kernels differ (default: off)")
     # Optimization
@@ -384,6 +387,26 @@ def echo_trap_warnings(history, window=5):
     return warnings
 
 
+# What --on_echo_trap stabilize does when the monitor fires: RAGEN's remedy (StarPO-S keeps the top 25% of
+# groups by reward std) plus a smaller step. Halving the learning rate again at most every ECHO_TRAP_COOLDOWN
+# steps lets one episode of warnings (the smoothed signals stay low for a while) act once.
+ECHO_TRAP_FILTER_RATIO, ECHO_TRAP_LR_FACTOR, ECHO_TRAP_COOLDOWN = 0.25, 0.5, 10
+
+
+def stabilize_on_echo_trap(control, step, warnings):
+    """--on_echo_trap stabilize: the run's {"lr", "filter_ratio", "last_action_step"} after this step's warnings.
+
+    On a warning (and not within ECHO_TRAP_COOLDOWN steps of the last action) training switches to the
+    informative groups only, as StarPO-S does, and halves the learning rate: the Echo Trap is the policy
+    reinforcing one answer pattern, so the step that follows the warning should be smaller and should come
+    from groups that still disagree. Returns a new dict; `control` is not changed.
+    """
+    if not warnings or (control["last_action_step"] is not None and step - control["last_action_step"] < ECHO_TRAP_COOLDOWN):
+        return control
+    return {"lr": control["lr"] * ECHO_TRAP_LR_FACTOR, "filter_ratio": min(control["filter_ratio"], ECHO_TRAP_FILTER_RATIO),
+            "last_action_step": step}
+
+
 def check_prompts_fit(make_env, tokenizer, args, sample=256):
     """Stop with a clear error if none of the first `sample` training prompts leaves room for a turn.
 
@@ -479,6 +502,8 @@ def main(argv=None):
         (out_dir / "args.json").write_text(json.dumps(vars(args), indent=2))
 
     history = trainer_state["history"] if trainer_state else []
+    # What --on_echo_trap stabilize may change during the run (checkpointed, so a resumed run keeps it).
+    control = (trainer_state or {}).get("control") or {"lr": args.lr, "filter_ratio": args.filter_ratio, "last_action_step": None}
     if args.eval_every > 0 and start_step == 0:
         history.append({"step": 0, **evaluate(sampler, tokenizer, args, rank, world_size, device)})
         print0(f"step 0 | held-out success {history[-1]['eval_success']:.3f}")
@@ -503,7 +528,7 @@ def main(argv=None):
                                        for t in trajectories])
         group_stds = list(group_reward_stds(trajectories).values())
         # 2. StarPO-S: train on the groups whose outcomes differ (informative ones), ranked over all ranks.
-        kept = keep_high_variance_groups(trajectories, args.filter_ratio)  # filter_ratio 1.0 keeps them all
+        kept = keep_high_variance_groups(trajectories, control["filter_ratio"])  # filter_ratio 1.0 keeps them all
         mine = slice(len(kept) * rank // world_size, len(kept) * (rank + 1) // world_size)  # this rank's rows
         batch = {key: value.to(device) for key, value in rollout.collate(kept[mine], tokenizer.pad_token_id).items()}
         input_ids, attention_mask = batch["input_ids"], batch["attention_mask"]  # (B, T)
@@ -625,12 +650,22 @@ def main(argv=None):
             "prompt_too_long": statistics.fmean(float(t.num_turns == 0) for t in trajectories),
         }
         metrics = {"step": step + 1, **dict(sorted(metrics.items())), **update, "kept_trajectories": len(kept),
-                   "elapsed_s": time.time() - run_start}
+                   "lr": control["lr"], "filter_ratio": control["filter_ratio"], "elapsed_s": time.time() - run_start}
         if args.eval_every > 0 and ((step + 1) % args.eval_every == 0 or step + 1 == args.steps):
             metrics.update(evaluate(sampler, tokenizer, args, rank, world_size, device))
         history.append(metrics)
-        for warning in echo_trap_warnings([h for h in history if "grad_norm" in h]):
+        warnings = echo_trap_warnings([h for h in history if "grad_norm" in h])
+        metrics["echo_trap_warnings"] = len(warnings)
+        for warning in warnings:
             print0(f"WARNING step {step + 1}: {warning}")
+        if args.on_echo_trap == "stabilize":  # act on it: informative groups only, and smaller steps from now on
+            acted = stabilize_on_echo_trap(control, step + 1, warnings)
+            if acted is not control:
+                control = acted
+                for group in policy_optimizer.param_groups:
+                    group["lr"] = control["lr"]
+                print0(f"step {step + 1}: Echo Trap: training on the top {control['filter_ratio']:.0%} of groups "
+                       f"by reward std, learning rate {control['lr']:.2e}")
         if master:
             with open(out_dir / "metrics.jsonl", "a") as log_file:
                 log_file.write(json.dumps(metrics) + "\n")
@@ -640,7 +675,7 @@ def main(argv=None):
                                  eval=f"{metrics.get('eval_success', float('nan')):.2f}")
         if (step + 1) % args.save_every == 0 or step + 1 == args.steps:
             save_checkpoint(out_dir, step + 1, policy, tokenizer, critic=critic, optimizers=optimizers, trainer_state={
-                "step": step + 1, "rng": gather_objects([rng_state()]), "history": history, "args": vars(args),
+                "step": step + 1, "rng": gather_objects([rng_state()]), "history": history, "args": vars(args), "control": control,
                 "reference": str(reference_path)})  # every rank takes part: gathers and optimizer shards
     print0(f"done: {args.steps} steps in {time.time() - run_start:.0f}s; checkpoints in {out_dir}")
     if args.sampler == "vllm":

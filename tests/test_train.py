@@ -245,6 +245,33 @@ def test_echo_trap_monitor_warns_on_std_collapse_and_grad_spike():
     assert "gradient norm" in train.echo_trap_warnings(spike)[0]
 
 
+def test_stabilize_on_echo_trap_acts_once_per_cooldown():
+    start = {"lr": 1e-3, "filter_ratio": 1.0, "last_action_step": None}
+    assert train.stabilize_on_echo_trap(start, 7, []) is start  # no warning, no change
+    first = train.stabilize_on_echo_trap(start, 7, ["std fell"])
+    assert first == {"lr": 5e-4, "filter_ratio": 0.25, "last_action_step": 7} and start["lr"] == 1e-3
+    assert train.stabilize_on_echo_trap(first, 7 + train.ECHO_TRAP_COOLDOWN - 1, ["std fell"]) is first  # one episode, one action
+    second = train.stabilize_on_echo_trap(first, 7 + train.ECHO_TRAP_COOLDOWN, ["grad spike"])
+    assert second == {"lr": 2.5e-4, "filter_ratio": 0.25, "last_action_step": 17}
+    narrow = {"lr": 1e-3, "filter_ratio": 0.1, "last_action_step": None}  # a filter already narrower is kept
+    assert train.stabilize_on_echo_trap(narrow, 3, ["std fell"])["filter_ratio"] == 0.1
+
+
+def test_on_echo_trap_stabilize_filters_and_slows_the_run_and_resumes_so(tmp_path, monkeypatch):
+    # The monitor is made to fire after step 2; the run must then keep a quarter of its groups, at half the
+    # learning rate, from step 3 on, and a run resumed after the action must go on with it.
+    monkeypatch.setattr(train, "echo_trap_warnings", lambda history: ["test"] if len(history) == 2 else [])
+    common = BANDIT + ["--on_echo_trap", "stabilize", "--save_every", "2", "--out_dir", str(tmp_path / "run")]
+    _, history = train.main(common + ["--steps", "2"])
+    assert [h["echo_trap_warnings"] for h in history] == [0, 1]
+    _, history = train.main(common + ["--steps", "4", "--resume"])
+    assert [h["lr"] for h in history] == [1e-3, 1e-3, 5e-4, 5e-4]
+    assert [h["filter_ratio"] for h in history] == [1.0, 1.0, 0.25, 0.25]
+    assert [h["kept_trajectories"] for h in history] == [16, 16, 4, 4]  # 4 groups of 4 -> the top one
+    _, warned_only = train.main(BANDIT + ["--steps", "3", "--out_dir", str(tmp_path / "warn")])  # the default only warns
+    assert [h["lr"] for h in warned_only] == [1e-3] * 3 and [h["kept_trajectories"] for h in warned_only] == [16] * 3
+
+
 def test_truncated_importance_weights_by_hand():
     trainer = torch.tensor([[-1.0, -2.0, -0.5]])
     sampler = torch.tensor([[-1.0, -2.5, 0.5]])

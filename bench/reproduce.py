@@ -1,0 +1,274 @@
+"""
+Reproduce the papers' findings at laptop scale: Agent-R1's table, RAGEN's Echo Trap and rollout shaping, and
+the action-mask ablation, on the tiny model, on CPU. One command per study (README, "Reproducing the papers"):
+
+    python bench/reproduce.py agent_r1        # GRPO / PPO / REINFORCE++ vs Base Tool Call, Naive RAG, No Retrieval
+    python bench/reproduce.py echo_trap       # vanilla GRPO and PPO vs StarPO-S and --on_echo_trap stabilize, Bandit
+    python bench/reproduce.py shaping         # responses per prompt at 64 trajectories a step; Online-k
+    python bench/reproduce.py mask_ablation   # the loss on agent tokens only, or on every token
+    python bench/reproduce.py all             # the four, one after another
+    python bench/reproduce.py agent_r1 --quick   # tiny settings: checks the pipeline in a minute (the notebook test)
+
+Every method of a study gets the same budget (steps x trajectories per step) and the same seeds. Seeds vary the
+RL run (sampling, batches); all runs of a study start from one warmed-up model (sft.py, cached), so the spread
+is the RL's own. Each study writes runs/reproduce/<study>/: table.md (mean ± standard deviation over seeds, the
+paper's numbers beside ours), results.json (every run's numbers) and PNG plots. A finished run is kept under
+runs/reproduce/runs/ and not trained again, so an interrupted study continues where it stopped.
+"""
+import argparse
+import json
+import shutil
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import matplotlib  # noqa: E402
+
+matplotlib.use("Agg")  # files only, no display
+import matplotlib.pyplot as plt  # noqa: E402
+
+import envs  # noqa: E402
+import eval as evaluation  # noqa: E402
+import train  # noqa: E402
+
+# The papers' headline numbers, printed beside ours.
+AGENT_R1 = {"PPO": 0.3719, "REINFORCE++": 0.3300, "GRPO": None, "Naive RAG": 0.1328, "Base Tool Call": 0.0847,
+            "No Retrieval": None}  # average EM over the multi-hop QA sets (Agent-R1, Table 2)
+RAGEN_COLLAPSE = "GRPO collapsed near step 20 on Bandit, PPO near step 100; StarPO-S delayed or removed it (RAGEN)"
+RAGEN_SHAPING = "4 responses per prompt generalised best and 1-2 worst; Online-1 beat reusing a batch (RAGEN)"
+
+# The warm-ups: the main job's (synthetic QA, train.py's defaults) and the bandit's (format only, arms half and half).
+QA_WARMUP = []
+EVALUATIONS = Path("runs/reproduce/evaluations.json")  # held_out's memory (main() puts it under --out)
+BANDIT = ["--env", "bandit", "--max_turns", "1", "--max_new_tokens", "8", "--max_total_tokens", "160"]
+BANDIT_WARMUP = BANDIT + ["--warmup_clean_steps", "0", "--warmup_steps", "300", "--warmup_mistake_rate", "0.5"]
+
+
+def warm_model(flags):
+    """The warmed-up checkpoint for these warm-up flags (trained once, then cached by sft.py)."""
+    return str(train.starting_weights(train.get_args(flags)))
+
+
+def run(out, name, flags, seed, steps):
+    """One training run, or its saved result: {"history": train.main's per-step metrics, "checkpoint": path}."""
+    run_dir = out / "runs" / f"{name}-seed{seed}"
+    result_file = run_dir / "result.json"
+    if result_file.exists():
+        return json.loads(result_file.read_text())
+    shutil.rmtree(run_dir, ignore_errors=True)  # an interrupted run starts over
+    started = time.time()
+    _, history = train.main(flags + ["--warmup_steps", "0", "--steps", str(steps), "--save_every", str(steps),
+                                     "--seed", str(seed), "--out_dir", str(run_dir)])
+    result = {"history": history, "checkpoint": str(run_dir / f"step_{steps:06d}"), "seconds": time.time() - started}
+    result_file.write_text(json.dumps(result))
+    return result
+
+
+def held_out(model, env, env_options, episodes, setting="tools", temperature=1.0):
+    """eval.py's row for `model` on held-out seeds: success, EM, F1, ... Sampled at temperature 1 by default, as
+    training and train.py's held-out evaluation sample: the tiny model's greedy choice flips between nearly tied
+    names after a few updates (the warmed-up model: 0% greedy, 2% sampled; 4 GRPO steps later: 62% and 3%).
+    Remembered in EVALUATIONS (a JSON file), so a study run again only evaluates what is new."""
+    key = json.dumps([str(model), env, env_options, episodes, setting, temperature])
+    saved = json.loads(EVALUATIONS.read_text()) if EVALUATIONS.exists() else {}
+    if key not in saved:
+        saved[key] = evaluate_now(model, env, env_options, episodes, setting, temperature)
+        EVALUATIONS.write_text(json.dumps(saved, indent=1))
+    return saved[key]
+
+
+def evaluate_now(model, env, env_options, episodes, setting, temperature):
+    """held_out without the memory."""
+    sampler, tokenizer = evaluation.make_sampler("torch", model, max_total_tokens=512)
+    make_env = envs.env_factory(env, env_options)
+    return evaluation.evaluate(sampler, tokenizer, lambda: evaluation.SETTINGS[setting](make_env()),
+                               envs.eval_seeds(episodes), temperature=temperature, max_new_tokens=32,
+                               max_total_tokens=512, progress=False)
+
+
+def spread(values):
+    """'mean ± sd' over seeds (sd 0 for one value)."""
+    values = [value for value in values if value is not None]
+    if not values:
+        return "-"
+    return f"{statistics.fmean(values):.3f} ± {statistics.pstdev(values):.3f}"
+
+
+def collapse_step(history, window=5, drop=0.5):
+    """The first step at which training success, averaged over `window` steps, falls below `drop` x its best
+    earlier average (after the best reached 0.2): RAGEN's collapse, read off the reward curve. None: no collapse."""
+    success = [h["success"] for h in history if "success" in h]
+    best = 0.0
+    for end in range(window, len(success) + 1):
+        average = statistics.fmean(success[end - window:end])
+        if best >= 0.2 and average < drop * best:
+            return end
+        best = max(best, average)
+    return None
+
+
+def write_table(path, title, header, rows, notes=()):
+    """A markdown table, with notes under it."""
+    lines = [f"### {title}", "", "| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    lines += ["| " + " | ".join(str(cell) for cell in row) + " |" for row in rows]
+    path.write_text("\n".join(lines + [""] + [f"- {note}" for note in notes]) + "\n")
+    print(path.read_text())
+
+
+def plot_curves(path, curves, keys, mark_warnings=False):
+    """One panel per metric key, one line per method (the mean over seeds); with mark_warnings, an x where the
+    Echo-Trap monitor warned in any seed's run."""
+    figure, axes = plt.subplots(1, len(keys), figsize=(4 * len(keys), 3.2), squeeze=False)
+    for axis, key in zip(axes[0], keys):
+        for method, histories in curves.items():
+            steps = [[h for h in history if "grad_norm" in h] for history in histories]  # training steps only
+            length = min(len(run_steps) for run_steps in steps)
+            mean = [statistics.fmean(run_steps[i][key] for run_steps in steps) for i in range(length)]
+            line, = axis.plot(range(1, length + 1), mean, label=method)
+            if mark_warnings:
+                warned = [i for i in range(length) if any(run_steps[i].get("echo_trap_warnings") for run_steps in steps)]
+                axis.plot([i + 1 for i in warned], [mean[i] for i in warned], "x", color=line.get_color())
+        axis.set_title(key)
+        axis.set_xlabel("step")
+    axes[0][0].legend(fontsize=7)
+    figure.tight_layout()
+    figure.savefig(path, dpi=90)
+    plt.close(figure)
+
+
+def agent_r1(out, seeds, steps, episodes):
+    """Agent-R1's table on synthetic multi-hop QA (2 hops, and 3 hops as the harder setting)."""
+    model = warm_model(QA_WARMUP)
+    results, rows = {}, []
+    for label, options in (("2 hops", {}), ("3 hops", {"hops": 3})):
+        env_flags = ["--model", model, "--env_options", json.dumps(options)]
+        def scores(checkpoint, setting="tools"):  # sampled, as in training, and greedy
+            return {**held_out(checkpoint, "synthetic_qa", options, episodes, setting),
+                    "greedy_em": held_out(checkpoint, "synthetic_qa", options, episodes, setting, temperature=0.0)["em"]}
+        table = [("Base Tool Call (warmed up, before RL)", scores(model)), ("Naive RAG", scores(model, "naive_rag")),
+                 ("No Retrieval", scores(model, "no_retrieval"))]
+        curves = {}
+        for algo, paper_name in (("grpo", "GRPO"), ("ppo", "PPO"), ("reinforce_pp", "REINFORCE++")):
+            runs = [run(out, f"agent_r1-{label.replace(' ', '')}-{algo}", env_flags + ["--algo", algo, "--eval_every", "0"],
+                        seed, steps) for seed in seeds]
+            table.append((paper_name, [scores(r["checkpoint"]) for r in runs]))
+            curves[paper_name] = [r["history"] for r in runs]
+        results[label] = {name: score for name, score in table}
+        for name, score in table:
+            per_seed = score if isinstance(score, list) else [score]
+            paper = AGENT_R1.get(name.split(" (")[0])
+            rows.append((label, name, spread([s["em"] for s in per_seed]), spread([s["f1"] for s in per_seed]),
+                         spread([s["greedy_em"] for s in per_seed]), "-" if paper is None else f"{paper:.4f}"))
+        plot_curves(out / f"agent_r1_{label.replace(' ', '')}.png", curves, ["success", "entropy"])
+    write_table(out / "table.md", f"Agent-R1 on synthetic multi-hop QA: held-out EM and F1 ({episodes} episodes, "
+                f"sampled at temperature 1) after {steps} RL steps, {len(seeds)} seeds",
+                ["setting", "method", "EM", "F1", "greedy EM", "paper EM"], rows,
+                ["baselines use the warmed-up model, so they have no seed spread",
+                 "paper EM: average over Agent-R1's multi-hop QA sets, Qwen2.5-3B"])
+    return results
+
+
+def echo_trap(out, seeds, steps, episodes):
+    """RAGEN's Echo Trap on the Bandit: vanilla GRPO and PPO, StarPO-S, and GRPO with --on_echo_trap stabilize."""
+    model = warm_model(BANDIT_WARMUP)
+    common = ["--model", model, *BANDIT, "--prompts_per_step", "8", "--group_size", "8", "--eval_every", "0"]
+    methods = {"GRPO": ["--algo", "grpo"], "PPO": ["--algo", "ppo"], "StarPO-S (PPO)": ["--starpo_s"],
+               "GRPO + on_echo_trap stabilize": ["--algo", "grpo", "--on_echo_trap", "stabilize"]}
+    curves, rows, results = {}, [], {}
+    for method, flags in methods.items():
+        runs = [run(out, "echo_trap-" + method.split(" ")[0] + ("-stabilize" if "stabilize" in method else ""),
+                    common + flags, seed, steps) for seed in seeds]
+        histories = [r["history"] for r in runs]
+        curves[method] = histories
+        collapses = [collapse_step(history) for history in histories]
+        first_warnings = [next((h["step"] for h in history if h.get("echo_trap_warnings")), None) for history in histories]
+        finals = [held_out(r["checkpoint"], "bandit", {}, episodes)["success"] for r in runs]
+        results[method] = {"collapse_step": collapses, "first_warning": first_warnings, "held_out_success": finals}
+        rows.append((method, spread(finals), ", ".join(str(c) if c else "none" for c in collapses),
+                     ", ".join(str(w) if w else "none" for w in first_warnings)))
+    plot_curves(out / "echo_trap.png", curves, ["success", "group_reward_std", "entropy", "grad_norm"], mark_warnings=True)
+    write_table(out / "table.md", f"Echo Trap on the Bandit: {steps} steps of 8 prompts x 8, {len(seeds)} seeds",
+                ["method", "held-out success (risky arm)", "collapse step per seed", "first monitor warning"], rows,
+                [RAGEN_COLLAPSE, "collapse: the 5-step training success falls below half its best (once that reached 0.2)"])
+    return results
+
+
+def shaping(out, seeds, steps, episodes):
+    """RAGEN's rollout shaping with PPO: responses per prompt at 64 trajectories a step, then Online-k."""
+    model = warm_model(QA_WARMUP)
+    transfer = {"distractor_facts": 3}  # the variant: the same questions, a knowledge base with more noise
+    rows, results = [], {}
+    for prompts, group in ((64, 1), (32, 2), (16, 4), (8, 8), (4, 16)):
+        flags = ["--model", model, "--algo", "ppo", "--prompts_per_step", str(prompts), "--group_size", str(group), "--eval_every", "0"]
+        runs = [run(out, f"shaping-{prompts}x{group}", flags, seed, steps) for seed in seeds]
+        own = [held_out(r["checkpoint"], "synthetic_qa", {}, episodes)["success"] for r in runs]
+        moved = [held_out(r["checkpoint"], "synthetic_qa", transfer, episodes)["success"] for r in runs]
+        results[f"{prompts}x{group}"] = {"held_out": own, "transfer": moved}
+        rows.append((f"{prompts} prompts x {group}", spread(own), spread(moved)))
+    # Online-k: each rollout batch of 32 trajectories serves k updates of 32; the same number of updates in all.
+    for k in (1, 2, 4):
+        flags = ["--model", model, "--algo", "ppo", "--prompts_per_step", "8", "--group_size", "4", "--ppo_epochs", str(k),
+                 "--eval_every", "0"]
+        runs = [run(out, f"online-{k}", flags, seed, steps // k) for seed in seeds]
+        own = [held_out(r["checkpoint"], "synthetic_qa", {}, episodes)["success"] for r in runs]
+        moved = [held_out(r["checkpoint"], "synthetic_qa", transfer, episodes)["success"] for r in runs]
+        results[f"online-{k}"] = {"held_out": own, "transfer": moved}
+        rows.append((f"Online-{k} ({steps // k} rollouts x {k} updates)", spread(own), spread(moved)))
+    write_table(out / "table.md", f"Rollout shaping (PPO, synthetic QA, {steps} updates, {len(seeds)} seeds)",
+                ["rollout", "held-out success", f"transfer success ({json.dumps(transfer)})"], rows,
+                [RAGEN_SHAPING, "64 trajectories a step for the responses-per-prompt rows; 32 for Online-k"])
+    return results
+
+
+def mask_ablation(out, seeds, steps, episodes):
+    """The action mask: GRPO's loss on the agent's tokens only (the default), or on every token."""
+    model = warm_model(QA_WARMUP)
+    rows, results, curves = [], {}, {}
+    for name, flags in (("agent tokens only (action mask)", []), ("every token (--no_action_mask)", ["--no_action_mask"])):
+        runs = [run(out, "mask-" + ("off" if flags else "on"), ["--model", model, "--eval_every", "0", *flags], seed, steps)
+                for seed in seeds]
+        scores = [held_out(r["checkpoint"], "synthetic_qa", {}, episodes) for r in runs]
+        curves[name] = [r["history"] for r in runs]
+        results[name] = scores
+        rows.append((name, spread([s["em"] for s in scores]), spread([s["f1"] for s in scores])))
+    plot_curves(out / "mask_ablation.png", curves, ["success", "entropy"])
+    write_table(out / "table.md", f"Action-mask ablation (GRPO, synthetic QA, {steps} steps, {len(seeds)} seeds)",
+                ["loss on", "EM", "F1"], rows, ["Agent-R1 and Search-R1: masking the environment's tokens is what makes it train"])
+    return results
+
+
+STUDIES = {"agent_r1": (agent_r1, 40), "echo_trap": (echo_trap, 60), "shaping": (shaping, 40), "mask_ablation": (mask_ablation, 40)}
+
+
+def main(argv=None):
+    """Run the studies named on the command line; returns {study: results}."""
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("study", choices=[*STUDIES, "all"])
+    parser.add_argument("--seeds", type=int, default=3, help="RL seeds per method")
+    parser.add_argument("--steps", type=int, default=None, help="RL steps per run (default: the study's own)")
+    parser.add_argument("--episodes", type=int, default=256, help="held-out episodes per evaluation")
+    parser.add_argument("--out", default="runs/reproduce")
+    parser.add_argument("--quick", action="store_true", help="1 seed, 2 steps, 8 episodes: the pipeline, not the findings")
+    args = parser.parse_args(argv)
+    global EVALUATIONS
+    EVALUATIONS = Path(args.out) / "evaluations.json"
+    if args.quick:
+        args.seeds, args.steps, args.episodes = 1, args.steps or 2, 8
+    results = {}
+    for name in STUDIES if args.study == "all" else [args.study]:
+        study, default_steps = STUDIES[name]
+        out = Path(args.out) / name
+        out.mkdir(parents=True, exist_ok=True)
+        started = time.time()
+        results[name] = study(out, list(range(args.seeds)), args.steps or default_steps, args.episodes)
+        results[name]["wall_s"] = time.time() - started
+        (out / "results.json").write_text(json.dumps(results[name], indent=1))
+        print(f"{name}: {results[name]['wall_s']:.0f} s; wrote {out}")
+    return results
+
+
+if __name__ == "__main__":
+    main()
