@@ -40,11 +40,13 @@ AGENT_R1 = {"PPO": 0.3719, "REINFORCE++": 0.3300, "GRPO": None, "Naive RAG": 0.1
 RAGEN_COLLAPSE = "GRPO collapsed near step 20 on Bandit, PPO near step 100; StarPO-S delayed or removed it (RAGEN)"
 RAGEN_SHAPING = "4 responses per prompt generalised best and 1-2 worst; Online-1 beat reusing a batch (RAGEN)"
 
-# The warm-ups: the main job's (synthetic QA, train.py's defaults) and the bandit's (format only, arms half and half).
+# The warm-ups: the main job's (synthetic QA, train.py's defaults) and the bandit's. The bandit's first phase
+# (600 steps of correct pulls) teaches the tiny model to copy an offered arm's name; without it 80% of its answers
+# name an arm that is not offered. The second (300 steps, each pull a coin flip) leaves the choice to RL.
 QA_WARMUP = []
 EVALUATIONS = Path("runs/reproduce/evaluations.json")  # held_out's memory (main() puts it under --out)
 BANDIT = ["--env", "bandit", "--max_turns", "1", "--max_new_tokens", "8", "--max_total_tokens", "160"]
-BANDIT_WARMUP = BANDIT + ["--warmup_clean_steps", "0", "--warmup_steps", "300", "--warmup_mistake_rate", "0.5"]
+BANDIT_WARMUP = BANDIT + ["--warmup_clean_steps", "600", "--warmup_steps", "300", "--warmup_mistake_rate", "0.5"]
 
 
 def warm_model(flags):
