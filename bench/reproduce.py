@@ -214,11 +214,12 @@ def shaping(out, seeds, steps, episodes):
     for k in (1, 2, 4):
         flags = ["--model", model, "--algo", "ppo", "--prompts_per_step", "8", "--group_size", "4", "--ppo_epochs", str(k),
                  "--eval_every", "0"]
-        runs = [run(out, f"online-{k}", flags, seed, steps // k) for seed in seeds]
+        rollouts = max(1, steps // k)  # --quick's 2 steps still make one rollout
+        runs = [run(out, f"online-{k}", flags, seed, rollouts) for seed in seeds]
         own = [held_out(r["checkpoint"], "synthetic_qa", {}, episodes)["success"] for r in runs]
         moved = [held_out(r["checkpoint"], "synthetic_qa", transfer, episodes)["success"] for r in runs]
         results[f"online-{k}"] = {"held_out": own, "transfer": moved}
-        rows.append((f"Online-{k} ({steps // k} rollouts x {k} updates)", spread(own), spread(moved)))
+        rows.append((f"Online-{k} ({rollouts} rollouts x {k} updates)", spread(own), spread(moved)))
     write_table(out / "table.md", f"Rollout shaping (PPO, synthetic QA, {steps} updates, {len(seeds)} seeds)",
                 ["rollout", "held-out success", f"transfer success ({json.dumps(transfer)})"], rows,
                 [RAGEN_SHAPING, "64 trajectories a step for the responses-per-prompt rows; 32 for Online-k"])
