@@ -202,24 +202,23 @@ def shaping(out, seeds, steps, episodes):
     """RAGEN's rollout shaping with PPO: responses per prompt at 64 trajectories a step, then Online-k."""
     model = warm_model(QA_WARMUP)
     transfer = {"distractor_facts": 3}  # the variant: the same questions, a knowledge base with more noise
-    rows, results = [], {}
-    for prompts, group in ((64, 1), (32, 2), (16, 4), (8, 8), (4, 16)):
-        flags = ["--model", model, "--algo", "ppo", "--prompts_per_step", str(prompts), "--group_size", str(group), "--eval_every", "0"]
-        runs = [run(out, f"shaping-{prompts}x{group}", flags, seed, steps) for seed in seeds]
-        own = [held_out(r["checkpoint"], "synthetic_qa", {}, episodes)["success"] for r in runs]
-        moved = [held_out(r["checkpoint"], "synthetic_qa", transfer, episodes)["success"] for r in runs]
-        results[f"{prompts}x{group}"] = {"held_out": own, "transfer": moved}
-        rows.append((f"{prompts} prompts x {group}", spread(own), spread(moved)))
-    # Online-k: each rollout batch of 32 trajectories serves k updates of 32; the same number of updates in all.
+    ppo = ["--model", model, "--algo", "ppo", "--eval_every", "0"]
+    # (row label, results key, run name, flags, rollout steps): responses per prompt at 64 trajectories a step,
+    # then Online-k, where each rollout batch of 32 serves k updates of 32 (the same number of updates in all).
+    setups = [(f"{prompts} prompts x {group}", f"{prompts}x{group}", f"shaping-{prompts}x{group}",
+               ["--prompts_per_step", str(prompts), "--group_size", str(group)], steps)
+              for prompts, group in ((64, 1), (32, 2), (16, 4), (8, 8), (4, 16))]
     for k in (1, 2, 4):
-        flags = ["--model", model, "--algo", "ppo", "--prompts_per_step", "8", "--group_size", "4", "--ppo_epochs", str(k),
-                 "--eval_every", "0"]
         rollouts = max(1, steps // k)  # --quick's 2 steps still make one rollout
-        runs = [run(out, f"online-{k}", flags, seed, rollouts) for seed in seeds]
+        setups.append((f"Online-{k} ({rollouts} rollouts x {k} updates)", f"online-{k}", f"online-{k}",
+                       ["--prompts_per_step", "8", "--group_size", "4", "--ppo_epochs", str(k)], rollouts))
+    rows, results = [], {}
+    for label, key, name, flags, run_steps in setups:
+        runs = [run(out, name, ppo + flags, seed, run_steps) for seed in seeds]
         own = [held_out(r["checkpoint"], "synthetic_qa", {}, episodes)["success"] for r in runs]
         moved = [held_out(r["checkpoint"], "synthetic_qa", transfer, episodes)["success"] for r in runs]
-        results[f"online-{k}"] = {"held_out": own, "transfer": moved}
-        rows.append((f"Online-{k} ({rollouts} rollouts x {k} updates)", spread(own), spread(moved)))
+        results[key] = {"held_out": own, "transfer": moved}
+        rows.append((label, spread(own), spread(moved)))
     write_table(out / "table.md", f"Rollout shaping (PPO, synthetic QA, {steps} updates, {len(seeds)} seeds)",
                 ["rollout", "held-out success", f"transfer success ({json.dumps(transfer)})"], rows,
                 [RAGEN_SHAPING, "64 trajectories a step for the responses-per-prompt rows; 32 for Online-k"])
