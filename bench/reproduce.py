@@ -3,7 +3,7 @@ Reproduce the papers' findings at laptop scale: Agent-R1's table, RAGEN's Echo T
 the action-mask ablation, on the tiny model, on CPU. One command per study (README, "Reproducing the papers"):
 
     python bench/reproduce.py agent_r1        # GRPO / PPO / REINFORCE++ vs Base Tool Call, Naive RAG, No Retrieval
-    python bench/reproduce.py echo_trap       # vanilla GRPO and PPO vs StarPO-S and --on_echo_trap stabilize, Bandit
+    python bench/reproduce.py echo_trap       # vanilla GRPO and PPO vs StarPO-S and --on_echo_trap stabilize
     python bench/reproduce.py shaping         # responses per prompt at 64 trajectories a step; Online-k
     python bench/reproduce.py mask_ablation   # the loss on agent tokens only, or on every token
     python bench/reproduce.py all             # the four, one after another
@@ -40,13 +40,9 @@ AGENT_R1 = {"PPO": 0.3719, "REINFORCE++": 0.3300, "GRPO": None, "Naive RAG": 0.1
 RAGEN_COLLAPSE = "GRPO collapsed near step 20 on Bandit, PPO near step 100; StarPO-S delayed or removed it (RAGEN)"
 RAGEN_SHAPING = "4 responses per prompt generalised best and 1-2 worst; Online-1 beat reusing a batch (RAGEN)"
 
-# The warm-ups: the main job's (synthetic QA, train.py's defaults) and the bandit's. The bandit's first phase
-# (600 steps of correct pulls) teaches the tiny model to copy an offered arm's name; without it 80% of its answers
-# name an arm that is not offered. The second (300 steps, each pull a coin flip) leaves the choice to RL.
+# The warm-up: the main job's (synthetic QA, train.py's defaults).
 QA_WARMUP = []
 EVALUATIONS = Path("runs/reproduce/evaluations.json")  # held_out's memory (main() puts it under --out)
-BANDIT = ["--env", "bandit", "--max_turns", "1", "--max_new_tokens", "8", "--max_total_tokens", "160"]
-BANDIT_WARMUP = BANDIT + ["--warmup_clean_steps", "600", "--warmup_steps", "300", "--warmup_mistake_rate", "0.5"]
 
 
 def warm_model(flags):
@@ -121,18 +117,18 @@ def write_table(path, title, header, rows, notes=()):
 
 
 def plot_curves(path, curves, keys, mark_warnings=False):
-    """One panel per metric key, one line per method (the mean over seeds); with mark_warnings, an x where the
-    Echo-Trap monitor warned in any seed's run."""
+    """One panel per metric key, one line per run, a colour per method (a collapse is one seed's event, which a
+    mean over seeds would hide); with mark_warnings, an x where the Echo-Trap monitor warned in that run."""
     figure, axes = plt.subplots(1, len(keys), figsize=(4 * len(keys), 3.2), squeeze=False)
     for axis, key in zip(axes[0], keys):
-        for method, histories in curves.items():
-            steps = [[h for h in history if "grad_norm" in h] for history in histories]  # training steps only
-            length = min(len(run_steps) for run_steps in steps)
-            mean = [statistics.fmean(run_steps[i][key] for run_steps in steps) for i in range(length)]
-            line, = axis.plot(range(1, length + 1), mean, label=method)
-            if mark_warnings:
-                warned = [i for i in range(length) if any(run_steps[i].get("echo_trap_warnings") for run_steps in steps)]
-                axis.plot([i + 1 for i in warned], [mean[i] for i in warned], "x", color=line.get_color())
+        for colour, (method, histories) in enumerate(curves.items()):
+            for seed, history in enumerate(histories):
+                steps = [h for h in history if "grad_norm" in h]  # training steps only
+                axis.plot([h["step"] for h in steps], [h[key] for h in steps], color=f"C{colour}", linewidth=0.8,
+                          label=method if seed == 0 else None)
+                if mark_warnings:
+                    warned = [h for h in steps if h.get("echo_trap_warnings")]
+                    axis.plot([h["step"] for h in warned], [h[key] for h in warned], "x", color=f"C{colour}", markersize=4)
         axis.set_title(key)
         axis.set_xlabel("step")
     axes[0][0].legend(fontsize=7)
@@ -174,26 +170,32 @@ def agent_r1(out, seeds, steps, episodes):
 
 
 def echo_trap(out, seeds, steps, episodes):
-    """RAGEN's Echo Trap on the Bandit: vanilla GRPO and PPO, StarPO-S, and GRPO with --on_echo_trap stabilize."""
-    model = warm_model(BANDIT_WARMUP)
-    common = ["--model", model, *BANDIT, "--prompts_per_step", "8", "--group_size", "8", "--eval_every", "0"]
+    """RAGEN's Echo Trap on the main job (2-hop QA) with PPO's usual mini-batches: vanilla GRPO and PPO, StarPO-S,
+    and PPO with --on_echo_trap stabilize."""
+    # Each step's 64 trajectories serve 4 updates of 16 (as RAGEN's and verl's PPO mini-batches do), the only change
+    # from train.py's defaults. With one update a step, 1 PPO run of 5 collapsed within 100 steps, none of 3 GRPO runs;
+    # four updates a step move the policy further from the one that sampled, and collapses come within 60 steps.
+    common = ["--model", warm_model(QA_WARMUP), "--minibatch_size", "16", "--eval_every", "0"]
     methods = {"GRPO": ["--algo", "grpo"], "PPO": ["--algo", "ppo"], "StarPO-S (PPO)": ["--starpo_s"],
-               "GRPO + on_echo_trap stabilize": ["--algo", "grpo", "--on_echo_trap", "stabilize"]}
+               "PPO + on_echo_trap stabilize": ["--algo", "ppo", "--on_echo_trap", "stabilize"]}
     curves, rows, results = {}, [], {}
     for method, flags in methods.items():
-        runs = [run(out, "echo_trap-" + method.split(" ")[0] + ("-stabilize" if "stabilize" in method else ""),
-                    common + flags, seed, steps) for seed in seeds]
+        name = "echo_trap-qa-" + method.split(" ")[0] + ("-stabilize" if "stabilize" in method else "")
+        runs = [run(out, name, common + flags, seed, steps) for seed in seeds]
         histories = [r["history"] for r in runs]
         curves[method] = histories
         collapses = [collapse_step(history) for history in histories]
         first_warnings = [next((h["step"] for h in history if h.get("echo_trap_warnings")), None) for history in histories]
-        finals = [held_out(r["checkpoint"], "bandit", {}, episodes)["success"] for r in runs]
-        results[method] = {"collapse_step": collapses, "first_warning": first_warnings, "held_out_success": finals}
-        rows.append((method, spread(finals), ", ".join(str(c) if c else "none" for c in collapses),
+        last = [statistics.fmean([h["success"] for h in history if "success" in h][-10:]) for history in histories]
+        finals = [held_out(r["checkpoint"], "synthetic_qa", {}, episodes)["success"] for r in runs]
+        results[method] = {"collapse_step": collapses, "first_warning": first_warnings, "last_10_steps_success": last,
+                           "held_out_success": finals}
+        rows.append((method, spread(finals), spread(last), ", ".join(str(c) if c else "none" for c in collapses),
                      ", ".join(str(w) if w else "none" for w in first_warnings)))
     plot_curves(out / "echo_trap.png", curves, ["success", "group_reward_std", "entropy", "grad_norm"], mark_warnings=True)
-    write_table(out / "table.md", f"Echo Trap on the Bandit: {steps} steps of 8 prompts x 8, {len(seeds)} seeds",
-                ["method", "held-out success (risky arm)", "collapse step per seed", "first monitor warning"], rows,
+    write_table(out / "table.md", f"Echo Trap on synthetic QA: {steps} steps of 8 prompts x 8, 4 updates of 16 a step, "
+                f"{len(seeds)} seeds", ["method", "held-out success", "training success, last 10 steps",
+                                       "collapse step per seed", "first monitor warning per seed"], rows,
                 [RAGEN_COLLAPSE, "collapse: the 5-step training success falls below half its best (once that reached 0.2)"])
     return results
 
