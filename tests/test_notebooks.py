@@ -24,12 +24,14 @@ def code_cells(notebook):
 
 def test_the_notebooks_are_there():
     names = [path.stem for path in NOTEBOOKS]
-    for name in ["01_tools_and_envs", "02_rollout_and_masks", "03_advantages", "04_train_on_cpu"]:
+    for name in ["01_tools_and_envs", "02_rollout_and_masks", "03_advantages", "04_train_on_cpu",
+                 "05_reproduce_the_papers"]:
         assert name in names, f"notebooks/{name}.ipynb is missing"
 
 
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda path: path.stem)
-def test_notebook_runs_without_errors(path):
+def test_notebook_runs_without_errors(path, monkeypatch):
+    monkeypatch.setenv("NANOAGENT_QUICK_NOTEBOOKS", "1")  # 05 reruns the papers' studies at tiny settings
     notebook = nbformat.read(path, as_version=4)
     # One extra cell reports the kernel's interpreter: the notebook must run on this Python (this virtual
     # environment, with this checkout's packages), not on whatever "python3" a machine has elsewhere.
