@@ -40,14 +40,13 @@ AGENT_R1 = {"PPO": 0.3719, "REINFORCE++": 0.3300, "GRPO": None, "Naive RAG": 0.1
 RAGEN_COLLAPSE = "GRPO collapsed near step 20 on Bandit, PPO near step 100; StarPO-S delayed or removed it (RAGEN)"
 RAGEN_SHAPING = "4 responses per prompt generalised best and 1-2 worst; Online-1 beat reusing a batch (RAGEN)"
 
-# The warm-up: the main job's (synthetic QA, train.py's defaults).
-QA_WARMUP = []
 EVALUATIONS = Path("runs/reproduce/evaluations.json")  # held_out's memory (main() puts it under --out)
 
 
-def warm_model(flags):
-    """The warmed-up checkpoint for these warm-up flags (trained once, then cached by sft.py)."""
-    return str(train.starting_weights(train.get_args(flags)))
+def warm_model():
+    """The warmed-up checkpoint every study starts from: the main job's (synthetic QA, train.py's default warm-up),
+    trained once, then cached by sft.py."""
+    return str(train.starting_weights(train.get_args([])))
 
 
 def run(out, name, flags, seed, steps):
@@ -95,10 +94,15 @@ def spread(values):
     return f"{statistics.fmean(values):.3f} ± {statistics.pstdev(values):.3f}"
 
 
+def training_success(history):
+    """The per-step training success of a run's history (held-out evaluations are entries of their own)."""
+    return [h["success"] for h in history if "success" in h]
+
+
 def collapse_step(history, window=5, drop=0.5):
     """The first step at which training success, averaged over `window` steps, falls below `drop` x its best
     earlier average (after the best reached 0.2): RAGEN's collapse, read off the reward curve. None: no collapse."""
-    success = [h["success"] for h in history if "success" in h]
+    success = training_success(history)
     best = 0.0
     for end in range(window, len(success) + 1):
         average = statistics.fmean(success[end - window:end])
@@ -139,7 +143,7 @@ def plot_curves(path, curves, keys, mark_warnings=False):
 
 def agent_r1(out, seeds, steps, episodes):
     """Agent-R1's table on synthetic multi-hop QA (2 hops, and 3 hops as the harder setting)."""
-    model = warm_model(QA_WARMUP)
+    model = warm_model()
     results, rows = {}, []
     for label, options in (("2 hops", {}), ("3 hops", {"hops": 3})):
         env_flags = ["--model", model, "--env_options", json.dumps(options)]
@@ -175,7 +179,7 @@ def echo_trap(out, seeds, steps, episodes):
     # Each step's 64 trajectories serve 4 updates of 16 (as RAGEN's and verl's PPO mini-batches do), the only change
     # from train.py's defaults. With one update a step, 1 PPO run of 5 collapsed within 100 steps, none of 3 GRPO runs;
     # four updates a step move the policy further from the one that sampled, and collapses come within 60 steps.
-    common = ["--model", warm_model(QA_WARMUP), "--minibatch_size", "16", "--eval_every", "0"]
+    common = ["--model", warm_model(), "--minibatch_size", "16", "--eval_every", "0"]
     methods = {"GRPO": ["--algo", "grpo"], "PPO": ["--algo", "ppo"], "StarPO-S (PPO)": ["--starpo_s"],
                "PPO + on_echo_trap stabilize": ["--algo", "ppo", "--on_echo_trap", "stabilize"]}
     curves, rows, results = {}, [], {}
@@ -186,7 +190,7 @@ def echo_trap(out, seeds, steps, episodes):
         curves[method] = histories
         collapses = [collapse_step(history) for history in histories]
         first_warnings = [next((h["step"] for h in history if h.get("echo_trap_warnings")), None) for history in histories]
-        last = [statistics.fmean([h["success"] for h in history if "success" in h][-10:]) for history in histories]
+        last = [statistics.fmean(training_success(history)[-10:]) for history in histories]
         finals = [held_out(r["checkpoint"], "synthetic_qa", {}, episodes)["success"] for r in runs]
         results[method] = {"collapse_step": collapses, "first_warning": first_warnings, "last_10_steps_success": last,
                            "held_out_success": finals}
@@ -202,7 +206,7 @@ def echo_trap(out, seeds, steps, episodes):
 
 def shaping(out, seeds, steps, episodes):
     """RAGEN's rollout shaping with PPO: responses per prompt at 64 trajectories a step, then Online-k."""
-    model = warm_model(QA_WARMUP)
+    model = warm_model()
     transfer = {"distractor_facts": 3}  # the variant: the same questions, a knowledge base with more noise
     ppo = ["--model", model, "--algo", "ppo", "--eval_every", "0"]
     # (row label, results key, run name, flags, rollout steps): responses per prompt at 64 trajectories a step,
@@ -229,7 +233,7 @@ def shaping(out, seeds, steps, episodes):
 
 def mask_ablation(out, seeds, steps, episodes):
     """The action mask: GRPO's loss on the agent's tokens only (the default), or on every token."""
-    model = warm_model(QA_WARMUP)
+    model = warm_model()
     rows, results, curves = [], {}, {}
     for name, flags in (("agent tokens only (action mask)", []), ("every token (--no_action_mask)", ["--no_action_mask"])):
         runs = [run(out, "mask-" + ("off" if flags else "on"), ["--model", model, "--eval_every", "0", *flags], seed, steps)
