@@ -1,10 +1,10 @@
 """
 Environments: what an agent's turn *means*.
 
-Agent-R1 splits an agent task in two. A Tool (tools.py) executes one action and returns raw output.
-A **ToolEnv** (here) is the orchestrator around it: it takes the model's whole turn, runs the tools it
-called, decides what that means for the task (the state transition), computes the reward, and packages
-the observation for the next turn. RAGEN adds text games where the action is a move, not a tool call.
+Agent-R1 splits an agent task in two: a Tool (tools.py) executes one action, and a **ToolEnv** (here) is
+the orchestrator around it: it takes the model's whole turn, runs the tools it called, decides what that
+means for the task (the state transition), computes the reward and packages the observation for the next
+turn. RAGEN adds text games where the action is a move, not a tool call.
 Every environment is a plain class, one instance per episode, driven by rollout.py like this:
 
     env = SyntheticQAEnv(max_turns=4)
@@ -16,25 +16,19 @@ Every environment is a plain class, one instance per episode, driven by rollout.
         if result.done:
             break
 
-rollout.py plays many episodes in lockstep and steps a turn's envs together, `step_envs(envs, texts)`
-(the same results as env.step on each), so that their tool calls run as one batch: a search tool the
-episodes share gets one retrieval for the whole turn.
-
 Rewards. The episode's score is the sum of its step rewards, and every term is a constructor argument:
   - outcome: on the final step, `outcome_reward` times exact match (QA) or the game's own reward;
-  - format penalty (RAGEN): `format_penalty` = -0.1 for a turn that has neither a valid action nor a
-    valid answer; its observation says what was expected, so the model can recover on the next turn
-    (or, with `end_on_format_error=True`, the episode ends there, as in Search-R1 and TRL's tool loop);
+  - format penalty (RAGEN): `format_penalty` = -0.1 for a turn with neither a valid action nor a valid
+    answer; its observation says what was expected, so the model can recover on the next turn, or with
+    `end_on_format_error=True` the episode ends there (Search-R1, TRL's tool loop), a sharper signal;
   - format reward (Agent-R1's partial credit): `format_reward` for every well-formed turn (default 0);
   - process reward (Agent-R1's intermediate rewards): `process_reward` for each successful tool call
     that made progress, e.g. retrieved a passage the answer needs and was not seen yet (default 0);
   - reasoning-aware format (RAGEN): with `require_think=True` a turn must open with <think>...</think>.
-Counts in `info` ("tool_calls", "invalid_calls") are for that step; sum them for the episode.
 
 Seeds. Everything is deterministic given the seed. Procedural envs train on seeds below
 EVAL_SEED_START and evaluate on `eval_seeds(n)`, so no evaluation episode is seen in training.
-SearchQAEnv is separated by dataset split instead (train vs validation; a local file holds out a
-deterministic share of its rows as its validation split); there the seed picks the row.
+SearchQAEnv is separated by dataset split instead.
 """
 import hashlib
 import json
@@ -54,7 +48,7 @@ EVAL_SEED_START = 10_000_000
 
 
 def eval_seeds(n: int) -> range:
-    """The first n evaluation seeds; training uses seeds in [0, EVAL_SEED_START)."""
+    """The first n evaluation seeds."""
     return range(EVAL_SEED_START, EVAL_SEED_START + n)
 
 
@@ -63,10 +57,10 @@ class StepResult:
     observations: list[dict]  # messages to append after the assistant turn: role "tool" or "user"
     reward: float
     done: bool
-    info: dict  # always: success, tool_calls, invalid_calls, format_error; QA envs: answer, em, f1
+    info: dict  # this step's success, tool_calls, invalid_calls, format_error; QA envs: answer, em, f1
 
 # -----------------------------------------------------------------------------
-# Scoring answers: SQuAD-style normalisation, then exact match, token F1 and substring match
+# Scoring answers: SQuAD-style exact match, token F1 and substring match
 
 
 def normalize_answer(text: str) -> str:
@@ -135,12 +129,9 @@ class ToolEnv:
       - otherwise its tool calls run and each result comes back as a {"role": "tool"} message;
         a turn whose calls all failed counts as a format error (the errors explain why);
       - a turn with neither gets `format_penalty` and a {"role": "user"} message saying what to write.
-    The episode also ends after `max_turns` turns, then with no outcome reward, and, with
-    `end_on_format_error`, at a format error. Ending there makes a malformed turn cost the whole
-    episode, a sharper signal: on synthetic QA, GRPO's held-out success after 30 steps went from 66%
-    to 88% with it (median of 3 seeds). The default lets the model read the error and retry."""
+    The episode also ends after `max_turns` turns, then with no outcome reward."""
     system_prompt = "Answer the question. Give the final answer as <answer>...</answer>."
-    warmup_options = {}  # constructor options of an easier version, for the warm-up's first phase (sft.py)
+    warmup_options = {}  # options of an easier version, for the warm-up's first phase (sft.py)
 
     def __init__(self, max_turns=4, outcome_reward=1.0, format_penalty=-0.1, format_reward=0.0,
                  process_reward=0.0, require_think=False, max_calls_per_turn=2, end_on_format_error=False):
@@ -164,8 +155,7 @@ class ToolEnv:
         return True
 
     def reset(self, seed: int, episode: int = 0) -> tuple[list[dict], list[dict]]:
-        """Starts the episode for `seed`: (opening messages, tool schemas). Tools are deterministic, so
-        `episode` (which member of a GRPO group this is) changes nothing here."""
+        """(opening messages, tool schemas) for `seed`; tools are deterministic, so `episode` is unused."""
         self.seed = seed
         self.question, self.answers, tool_list = self.new_task(random.Random(seed))
         self.tools = {tool.name: tool for tool in tool_list}
@@ -219,8 +209,8 @@ class ToolEnv:
 
 
 def step_envs(envs: list, texts: list[str]) -> list[StepResult]:
-    """One turn of many episodes: env i reads texts[i]. The tool calls of all ToolEnvs run together
-    (tools.run_tool_calls), so a search tool the episodes share gets them as one batch."""
+    """One turn of many episodes, env i reading texts[i]: what env.step gives on each, with the tool
+    calls of every ToolEnv run in one tools.run_tool_calls."""
     calls = [env.read_turn(text) if isinstance(env, ToolEnv) else [] for env, text in zip(envs, texts)]
     outcomes = iter(tools.run_tool_calls([call for env_calls in calls for call in env_calls],
                                          [env.tools for env, env_calls in zip(envs, calls) for _ in env_calls]))
@@ -237,10 +227,9 @@ HUB_DATASETS = {"hotpotqa": ("hotpotqa/hotpot_qa", "distractor"),  # (Hub name, 
 
 
 def normalize_qa_row(row: dict) -> dict:
-    """One HotpotQA / 2WikiMultihopQA / MuSiQue example -> {"id", "question", "answers",
-    "paragraphs": [{"title", "text"}], "supporting_titles"}. The schema is recognised by its fields:
-    MuSiQue has "paragraphs"; the other two have "context", either as HF's {"title": [...],
-    "sentences" (or "content"): [[...]]} or as the original JSON's [[title, [sentences]], ...]."""
+    """One HotpotQA / 2WikiMultihopQA / MuSiQue example -> {"id", "question", "answers", "paragraphs":
+    [{"title", "text"}], "supporting_titles"}. MuSiQue has "paragraphs"; the other two have "context", as
+    HF's {"title": [...], "sentences" (or "content"): [[...]]} or the original JSON's [[title, [sentences]]]."""
     if "paragraphs" in row:
         paragraphs = [{"title": p["title"], "text": p["paragraph_text"]} for p in row["paragraphs"]]
         supporting = [p["title"] for p in row["paragraphs"] if p.get("is_supporting")]
@@ -256,8 +245,7 @@ def normalize_qa_row(row: dict) -> dict:
             "paragraphs": paragraphs, "supporting_titles": list(dict.fromkeys(supporting))}
 
 
-# A local file holds one set of rows; its held-out ("validation") split is this share of them.
-HELD_OUT_SHARE = 0.1
+HELD_OUT_SHARE = 0.1  # the share of a local file's rows held out as its "validation" split
 
 
 def held_out(row_id: str) -> float:
@@ -266,9 +254,8 @@ def held_out(row_id: str) -> float:
 
 
 def local_split(rows: list[dict], split: str) -> list[dict]:
-    """The `split` of a local file's rows: "validation" is the HELD_OUT_SHARE of rows (at least one) with the
-    lowest held_out(id), "train" is all the others, "all" is every row (a file of held-out questions of
-    its own, for eval.py). Deterministic, and no row is in both train and validation."""
+    """The `split` of a local file's rows: "validation" is the HELD_OUT_SHARE of them (at least one) with the
+    lowest held_out(id), "train" the others, "all" every row (a file of held-out questions, for eval.py)."""
     if split not in ("train", "validation", "all"):
         raise UserError(f"a local data file has the splits train, validation (held out from it) and all, not {split!r}")
     if split == "all":
@@ -284,17 +271,16 @@ def local_split(rows: list[dict], split: str) -> list[dict]:
 
 
 def load_qa_dataset(source: str, split: str = "train", limit: int | None = None) -> list[dict]:
-    """Normalised rows of `split` ("train", "validation"; "all" for a local file) from a local file or from
-    the Hub: "hotpotqa", "2wikimultihopqa", "musique" or any Hub name with the same schema (the Hub needs a
-    connected machine; a local .json/.jsonl/.parquet file never touches the network). A local file is one
-    set of rows: its "validation" split is a held-out share of them (local_split), never seen in training."""
+    """Normalised rows of `split` from a local .json/.jsonl/.parquet file (no network; split by local_split)
+    or from the Hub: "hotpotqa", "2wikimultihopqa", "musique" or any Hub name with the same schema."""
     import datasets  # imported here: slow to import, and only the dataset envs need it
     suffix = Path(source).suffix
     local = suffix in (".json", ".jsonl", ".parquet")
     if local:
         if not Path(source).exists():
             raise UserError(f"data file {source} does not exist")
-        rows = datasets.load_dataset("parquet" if suffix == ".parquet" else "json", data_files=str(source), split="train")
+        builder = "parquet" if suffix == ".parquet" else "json"
+        rows = datasets.load_dataset(builder, data_files=str(source), split="train")
     else:
         name, config = HUB_DATASETS.get(source.lower(), (source, None))
         rows = datasets.load_dataset(name, config, split=split)
@@ -333,14 +319,11 @@ def cached_search_tool(retriever: str, top_k: int) -> tools.Tool:
 
 
 class SearchQAEnv(ToolEnv):
-    """Multi-hop QA with a `search` tool. `data` is normalised rows or a source for load_qa_dataset
-    (loaded once per process and cached). By default each question searches its own paragraphs, which
-    in HotpotQA's distractor setting are the 2 gold paragraphs hidden among 8 distractors. To search a
-    shared corpus instead, pass `retriever`: an index directory built by nanoagent/retrieval.py (BM25
-    or dense, e.g. Wikipedia) or a retrieval server's URL (http://host:port/retrieve), opened once per
-    process; or `search=tools.search_tool(...)`, built once, over any passages (corpus_from_rows(rows),
-    a file via load_corpus) or retriever. The process reward goes to a search that retrieves a
-    supporting paragraph not retrieved before."""
+    """Multi-hop QA with a `search` tool. `data` is normalised rows or a source for load_qa_dataset.
+    By default each question searches its own paragraphs (in HotpotQA's distractor setting, the 2 gold
+    paragraphs among 8 distractors). For a shared corpus pass `retriever` (an index directory built by
+    nanoagent/retrieval.py, or a server's URL http://host:port/retrieve) or `search` (a tools.search_tool).
+    The process reward goes to a search that retrieves a supporting paragraph not retrieved before."""
     system_prompt = ("Answer the question. Use the search tool as often as you need, then give a short "
                      "final answer as <answer>...</answer>.")
 
@@ -368,9 +351,8 @@ class SearchQAEnv(ToolEnv):
 # -----------------------------------------------------------------------------
 # Synthetic multi-hop QA: the offline task a tiny model learns on a CPU
 
-# Made-up entities get names from this list of short English words, drawn fresh (and wired into fresh
-# relations) for every seed, so nothing about an episode can be memorised. The tiny model's tokenizer
-# (nanoagent/models.py, TINY_NAMES) has each name as a single token, so copying a name is one step.
+# Entity names: short English words, each one token of the tiny model's tokenizer (nanoagent/models.py,
+# TINY_NAMES), so copying a name is one step.
 NAMES = ("Amber Aspen Birch Cedar Coral Daisy Delta Ember Fable Fern Flint Frost Gale Grove Hazel Heron "
          "Iris Ivory Jade Juniper Kestrel Lark Laurel Lotus Maple Marsh Meadow Mint Moss Nova Oak Olive "
          "Onyx Opal Orchid Pearl Pebble Pine Plum Quartz Raven Reed Ridge Robin Rose Ruby Rust Sage "
@@ -395,22 +377,13 @@ class SyntheticQAEnv(ToolEnv):
         Amber: directed by Heron.   Heron: born in Maple.   Maple: located in Onyx.   (+ the others' facts)
 
     "Where was the director of Amber born?" needs search("Amber") -> Heron, then search("Heron") -> Maple,
-    so each query is built from what the previous search returned. Texts are short and regular on
-    purpose: names are single words, the phrasings are fixed, so a tiny model can learn it.
-
-    The search is an exact lookup by entity name (case and surrounding punctuation ignored) returning
-    every fact whose subject is that entity. BM25 would also return facts where the name is the
-    object ("Cedar: directed by Heron." for the query "Heron"), and the facts are too short for its
-    ranking to separate them, so one query would no longer be one hop.
-
-    Knobs: `hops` (1-3), `entities_per_type`, and `distractor_facts`, extra facts with other relations
-    ("Amber: set in Maple.") that a lookup returns next to the fact the question needs. The process
-    reward goes to a search that reveals the next hop's fact."""
+    each query built from the previous result. Single-word names and fixed phrasings let a tiny model learn
+    it. Knobs: `hops` (1-3), `entities_per_type`, and `distractor_facts`, extra facts with other relations
+    ("Amber: set in Maple.") that a lookup returns next to the fact the question needs. The process reward
+    goes to a search that reveals the next hop's fact."""
     system_prompt = ("Answer the question. Call search with a name to get its facts, "
                      "then answer as <answer>name</answer>.")
-    # One-hop questions teach a tiny model to copy a name from its context in well under a minute; with
-    # two hops the same jump comes several times later (sft.py, phase 1).
-    warmup_options = {"hops": 1}
+    warmup_options = {"hops": 1}  # a tiny model learns to copy a name far sooner than with two hops
 
     def __init__(self, hops=2, entities_per_type=3, distractor_facts=0, **options):
         assert 1 <= hops <= 3, f"hops must be 1, 2 or 3, got {hops}"
@@ -451,14 +424,9 @@ class SyntheticQAEnv(ToolEnv):
         return bool(new_facts)
 
     def demonstration(self, mistake_rate=0.0, rng=None) -> list[str]:
-        """Assistant turns for the current episode (after reset), for supervised warm-up.
-
-        With mistake_rate 0 they solve it: one search per hop, each query the entity the previous
-        result named, then the answer. Otherwise each decision goes wrong with that probability, the
-        way a weak model goes wrong: search another entity of the same kind, repeat the last query, or
-        answer with the intermediate entity instead of the final one. (Uniform token noise would leave
-        the right entity the most likely choice everywhere: greedy decoding would already be near
-        perfect, and RL would have nothing to learn.)"""
+        """Assistant turns for the current episode (after reset), for the warm-up in sft.py: one search per
+        hop, each query the entity the previous result named, then the answer; each decision goes wrong
+        with probability `mistake_rate`, the way a weak agent's does."""
         rng = rng or random.Random(0)
 
         def think(thought):
@@ -490,8 +458,9 @@ def fact_text(subject: str, relation: str, obj: str) -> str:
 
 
 def lookup_tool(facts: list[tuple[str, str, str]]) -> tools.Tool:
-    """A "search" tool over (subject, relation, object) facts: the query is an entity name, the
-    result every fact about it, or a short "no facts" message."""
+    """A "search" tool over (subject, relation, object) facts: every fact whose subject is the queried name
+    (case and surrounding punctuation ignored), or a short "no facts" message. Not BM25: it would also return
+    facts naming it as object ("Cedar: directed by Heron." for "Heron"), so one query would not be one hop."""
     def search(query: str) -> str:
         key = query.strip().strip(string.punctuation + " ").lower()
         found = [fact_text(*fact) for fact in facts if fact[0].lower() == key]
@@ -541,11 +510,10 @@ class GameEnv:
     """The shared turn logic of the text games. A subclass sets `rules` and `actions` and implements
     `new_game(rng)`, `move(action) -> (reward, done)` and `render()`; `move` sets self.success.
     Up to `max_actions_per_turn` actions per turn ("Up || Up || Left") is RAGEN's interaction
-    granularity; later ones are dropped, and a move that ends the game skips the rest. A turn with no
-    <answer>, an unknown action, or (with `require_think`) no leading <think> executes nothing and
-    gets `format_penalty` and an observation saying what was wrong."""
+    granularity; later ones are dropped, and a move that ends the game skips the rest. A malformed turn
+    (no <answer>, an unknown action, no leading <think> with `require_think`) executes nothing."""
     rules, actions = "", []
-    warmup_options = {}  # constructor options of an easier version, for the warm-up's first phase (sft.py)
+    warmup_options = {}  # as ToolEnv.warmup_options
 
     def __init__(self, max_turns=5, max_actions_per_turn=3, format_penalty=-0.1, require_think=False):
         assert max_turns >= 1 and max_actions_per_turn >= 1, "max_turns and max_actions_per_turn must be >= 1"
@@ -553,17 +521,14 @@ class GameEnv:
         self.format_penalty, self.require_think = format_penalty, require_think
 
     def reset(self, seed: int, episode: int = 0) -> tuple[list[dict], list[dict]]:
-        """Starts the game for `seed`: (opening messages, no tools).
-
-        The starting state comes from `seed` alone; the game's luck afterwards (FrozenLake's slips, the
-        bandit's payout) from (seed, episode). The members of a GRPO group share a seed and differ in
-        `episode`, so they face the same game with independent luck, as in RAGEN: if they shared one
-        coin, std-normalised GRPO would see the risky arm lose in 3 groups out of 4 and learn to avoid it.
-        """
+        """(opening messages, no tools) for `seed`. The luck (slips, payouts) comes from (seed, episode): a GRPO
+        group faces one game with independent luck, as in RAGEN (with one coin, std-normalised GRPO would see
+        the risky arm lose in 3 groups of 4)."""
         self.turn, self.done, self.success = 0, False, False
         self.new_game(random.Random(seed))
         self.rng = random.Random(f"{seed}/{episode}")  # the transitions' own random stream
-        several = f", up to {self.max_actions_per_turn} actions separated by ||" if self.max_actions_per_turn > 1 else ""
+        several = (f", up to {self.max_actions_per_turn} actions separated by ||"
+                   if self.max_actions_per_turn > 1 else "")
         system = (f"{self.rules} Valid actions: {', '.join(self.actions)}. Reply with <answer>action</answer>{several}."
                   + (THINK_INSTRUCTION if self.require_think else ""))
         return [{"role": "system", "content": system}, {"role": "user", "content": self.render()}], []
@@ -623,7 +588,7 @@ class BanditEnv(GameEnv):
     """Two-armed bandit, one turn. The safe arm always pays `safe_reward` (0.1); the risky arm pays
     `risky_reward` (1.0) with probability `risky_probability` (0.25): worth 0.25 in expectation, so
     it is the better arm. Arm names and their order are drawn from the seed; success means the risky
-    arm was picked. The risky arm's coin is tossed per episode (see GameEnv.reset)."""
+    arm was picked."""
     rules = "Two slot machines: one pays a little every time, the other pays a lot but rarely. Pull one arm."
 
     def __init__(self, safe_reward=0.1, risky_reward=1.0, risky_probability=0.25,
@@ -703,12 +668,11 @@ class FrozenLakeEnv(GameEnv):
 
 
 class SokobanEnv(GameEnv):
-    """Push the one box onto the target in a walled size x size room with `interior_walls` extra
-    walls. Levels are random per seed and redrawn until a breadth-first search over (player, box)
-    states proves them solvable, with the box not already on the target. Rewards (gym-sokoban's, as
-    in RAGEN): `step_reward` -0.1 per move (a bump into a wall too), `box_on_target_reward` +1 and
-    `solved_reward` +10 when the box lands on the target, which with one box also ends the game (so
-    the -1 for pushing a box off a target never arises here)."""
+    """Push the one box onto the target in a walled size x size room with `interior_walls` extra walls;
+    levels are random per seed, redrawn until a breadth-first search over (player, box) states proves them
+    solvable. Rewards (gym-sokoban's, as in RAGEN): `step_reward` -0.1 per move (a bump into a wall too),
+    `box_on_target_reward` +1 and `solved_reward` +10 when the box lands on the target, which with one box
+    also ends the game (so the -1 for pushing a box off a target never arises here)."""
     rules = ("Sokoban: you are P; push the box X onto the target O. # is a wall, _ is floor. You can push the "
              "box but not pull it. * is the box on the target, + is you on the target.")
     actions = ["Up", "Down", "Left", "Right"]
@@ -766,9 +730,7 @@ ENVS = {"search_qa": SearchQAEnv, "synthetic_qa": SyntheticQAEnv, "calculator": 
 
 def env_factory(name, options=None, data=None, split="train"):
     """A zero-argument callable that builds a fresh `name` env per episode (what rollout() takes).
-
-    `options` are the env's constructor keywords; `data` and `split` are for search_qa only.
-    """
+    `options` are the env's constructor keywords; `data` and `split` are for search_qa only."""
     assert name in ENVS, f"unknown env {name!r}; choose from {sorted(ENVS)}"
     env_class, options = ENVS[name], dict(options or {})
     if env_class is SearchQAEnv:

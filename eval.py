@@ -7,48 +7,39 @@ Evaluate trained agents, run the papers' baselines, and chat with an agent in th
     python eval.py --model runs/grpo/step_000200 --env calculator --temperature 0 1.0 --samples 8   # + pass@1..8
     python eval.py --chat --model tiny --env synthetic_qa --seed 3             # talk to it; Ctrl-D or "exit" leaves
 
-Evaluation. Episodes are played by rollout.rollout, the very loop training uses, on held-out seeds:
-envs.eval_seeds(n) for the procedural envs (training only sees seeds below EVAL_SEED_START), rows
-0..n-1 of --split for search_qa. Every (model, setting, temperature) is one row of one table:
-  success   the env's own success flag (QA: exact match of the final answer; games: solved)
-  EM, F1    SQuAD-normalised exact match and token F1 of the final answer (QA envs; "-" elsewhere)
-  reward    mean episode score (sum of step rewards: outcome, format penalty, process reward)
-  turns     mean assistant turns; calls: mean tool calls per episode (Trajectory.info sums the per-step
-            counts over the episode); invalid: invalid calls / all calls (unknown tool, bad JSON or args)
-  trunc     episodes that never finished: cut by the token budget, or (tool envs) out of turns with no <answer>
-  pass@k    unbiased estimator 1 - C(n-c, k) / C(n, k) from n samples per seed with c successes (Codex
-            paper), averaged over seeds; k = 1, 2, 4, ... up to --samples. Temperature 0 is greedy, one sample.
-Samplers: TorchSampler (the model in this process) or VLLMSampler (a vLLM engine, GPU or CPU); one process, no torchrun.
+Evaluation. rollout.rollout, the loop training uses, plays held-out seeds (envs.eval_seeds; rows of
+--split for search_qa). Each (model, setting, temperature) is one row, with the numbers training logs
+(rollout.summarize) and pass@k, the unbiased 1 - C(n-c, k) / C(n, k) from n samples per seed with c successes
+(Codex paper), for k = 1, 2, 4, ... up to --samples. Temperature 0 is greedy. One process, no torchrun.
 
-Baselines (Agent-R1's table), same data, same metrics, rows added by --baselines for every model:
-  tools          Base Tool Call when the model is the untrained one: the model with the env's tools and
-                 prompt, i.e. the plain evaluation row (the trained models' rows use the same setting).
-  naive_rag      retrieve once, with the question as the query, through the env's own search tool; the
-                 passages go into the user message and the model answers in one turn, without tools.
-                 (On synthetic_qa the search is an exact name lookup, so the question finds nothing: there
-                 naive RAG equals no retrieval, which is the point of a multi-hop task.) Only envs with search.
-  no_retrieval   the question alone, answered in one turn without tools.
-Both are BaselineEnv, a wrapper around a ToolEnv, run through the same rollout(). Tool envs only.
+Baselines (Agent-R1's table), rows added by --baselines for every model, tool envs only:
+  tools          the plain row: Base Tool Call when the model is the untrained one
+  naive_rag      retrieve once with the question through the env's own search; the passages go into the
+                 prompt and the model answers in one turn without tools (on synthetic_qa, whose search is an
+                 exact name lookup, this equals no retrieval: the point of a multi-hop task)
+  no_retrieval   the question alone, answered in one turn without tools
 
-Chat. The user's messages replace the env's question; the tools are those of --env for --seed (the
-synthetic KB's search over that seed's made-up facts, the calculator, a search QA row's passages).
-Each turn the model writes; its tool calls run live and their results (shown apart from the agent's
-text) go back in, token in, token out, with rollout's observation_tokens, until it writes no call.
+Chat. The user's messages replace the env's question; the tools are those of --env for --seed. The
+agent's tool calls run live, token in, token out, until it writes no call.
 """
 import argparse
 import gc
 import json
 import math
+import statistics
 import sys
 from collections import defaultdict
 
 from tqdm import tqdm
+from transformers import AutoTokenizer
 
 import envs
 import rollout
 import tools
 from masks import AGENT_COLOR, ENV_COLOR, RESET
+from nanoagent import common, models
 from nanoagent.common import UserError
+from nanoagent.sampler import TorchSampler
 
 # -----------------------------------------------------------------------------
 # Metrics
@@ -66,30 +57,16 @@ def pass_ks(samples: int) -> list[int]:
 
 
 def summarize(trajectories: list) -> dict:
-    """The table's numbers for a list of rollout.Trajectory (every seed with the same number of samples)."""
-    def mean(values):
-        return sum(values) / len(values) if values else float("nan")
-    infos = [trajectory.info for trajectory in trajectories]
+    """The table's numbers for a list of rollout.Trajectory: rollout.summarize's, and pass@k over the samples
+    of each seed (every seed with the same number of samples)."""
     successes = defaultdict(list)  # env seed -> success of each sample
-    for trajectory, info in zip(trajectories, infos):
-        successes[trajectory.seed].append(bool(info.get("success", False)))
+    for trajectory in trajectories:
+        successes[trajectory.seed].append(bool(trajectory.info["success"]))
     samples = {len(flags) for flags in successes.values()}
     assert len(samples) == 1, f"every seed needs the same number of samples, got {samples}"
-    calls = sum(info.get("tool_calls", 0) for info in infos)
-    is_qa = all("em" in info for info in infos)
-    row = {"episodes": len(trajectories),
-           "success": mean([float(info.get("success", False)) for info in infos]),
-           "em": mean([info["em"] for info in infos]) if is_qa else None,
-           "f1": mean([info["f1"] for info in infos]) if is_qa else None,
-           "reward": mean([trajectory.score for trajectory in trajectories]),
-           "turns": mean([trajectory.num_turns for trajectory in trajectories]),
-           "tool_calls": calls / len(trajectories),
-           "invalid_rate": sum(info.get("invalid_calls", 0) for info in infos) / max(calls, 1),
-           # a tool env's episode ends without an answer only at the turn limit (info["answer"] is None)
-           "truncated": mean([float(t.truncated or ("answer" in t.info and t.info["answer"] is None))
-                              for t in trajectories])}
+    row = {"episodes": len(trajectories), **rollout.summarize(trajectories)}
     for k in pass_ks(samples.pop()):
-        row[f"pass@{k}"] = mean([pass_at_k(len(flags), sum(flags), k) for flags in successes.values()])
+        row[f"pass@{k}"] = statistics.fmean(pass_at_k(len(flags), sum(flags), k) for flags in successes.values())
     return row
 
 
@@ -97,8 +74,9 @@ def format_table(rows: list[dict]) -> str:
     """Rows of (model, setting, temperature, metrics) as an aligned text table; a missing number prints "-"."""
     ks = sorted({key for row in rows for key in row if key.startswith("pass@")}, key=lambda key: int(key[5:]))
     columns = ["model", "setting", "temp", "episodes", "success", "em", "f1", "reward", "turns", "tool_calls",
-               "invalid_rate", "truncated", *ks]
-    headers = {"tool_calls": "calls", "invalid_rate": "invalid", "truncated": "trunc", "em": "EM", "f1": "F1"}
+               "invalid_call_rate", "truncated", "no_answer", *ks]
+    headers = {"tool_calls": "calls", "invalid_call_rate": "invalid", "truncated": "trunc", "no_answer": "no ans",
+               "em": "EM", "f1": "F1"}
 
     def cell(value, column):
         if value is None:
@@ -114,8 +92,8 @@ def format_table(rows: list[dict]) -> str:
 
 
 class BaselineEnv:
-    """Wraps a ToolEnv for Agent-R1's baselines: one turn, no tools, same question and scoring.
-    retrieve=True is naive RAG: the env's own search runs once on the question, its passages go in the prompt."""
+    """A ToolEnv for Agent-R1's baselines: one turn, no tools, same question and scoring (retrieve=True:
+    naive RAG)."""
 
     def __init__(self, env: envs.ToolEnv, retrieve: bool):
         assert isinstance(env, envs.ToolEnv), f"baselines need a tool env, got {type(env).__name__}"
@@ -161,9 +139,8 @@ def evaluate(sampler, tokenizer, make_env, seeds, samples=1, temperature=0.0, ma
 
 def chat(sampler, tokenizer, env, seed=0, max_turns=4, max_new_tokens=256, max_total_tokens=4096,
          temperature=0.0, read=input, write=print, color=False):
-    """Interactive loop: read() a user message, let the agent write, run its tool calls live, repeat.
-    read() raising EOFError (Ctrl-D) or returning "exit"/"quit" ends it. sampler is any object with
-    TorchSampler's generate(), so tests can script the agent."""
+    """Interactive loop: read() a user message, let the agent write, run its tool calls live, repeat, until
+    read() raises EOFError (Ctrl-D) or returns "exit"/"quit". Any sampler with generate() (tests script one)."""
     agent_color, env_color, plain = (AGENT_COLOR, ENV_COLOR, RESET) if color else ("", "", "")
     messages, tool_schemas = env.reset(seed)
     tool_dict = getattr(env, "tools", {})
@@ -191,7 +168,7 @@ def chat(sampler, tokenizer, env, seed=0, max_turns=4, max_new_tokens=256, max_t
             generation = sampler.generate([token_ids], min(max_new_tokens, max_total_tokens - len(token_ids)),
                                           temperature=temperature, stop_token_ids=stop_token_ids, seed=turn)[0]
             turn += 1
-            sampled, closing = rollout.finish_turn(generation, end_of_turn)
+            sampled, closing = rollout.close_turn(generation, end_of_turn)
             token_ids += generation.token_ids + closing  # as sampled, like rollout's trajectories
             text = tokenizer.decode(sampled)
             write(f"{agent_color}agent> {text}{plain}")
@@ -214,21 +191,18 @@ def chat(sampler, tokenizer, env, seed=0, max_turns=4, max_new_tokens=256, max_t
 
 def make_sampler(kind, model_name, max_total_tokens=4096):
     """(sampler, tokenizer) for a model name or path: a vLLM engine, or the model in this process."""
-    from transformers import AutoTokenizer
-
-    from nanoagent import common, models
-    from nanoagent.sampler import TorchSampler
     if kind == "vllm":
         from nanoagent.sampler import VLLMSampler  # imported here: only where vLLM is installed
         path = models.resolve_model_path(model_name)
-        sampler = VLLMSampler(path, gpu_memory_utilization=0.5, max_model_len=max_total_tokens)  # GPU only: the CPU KV cache is bounded in bytes
+        # gpu_memory_utilization counts on a GPU only: on the CPU the KV cache is bounded in bytes
+        sampler = VLLMSampler(path, gpu_memory_utilization=0.5, max_model_len=max_total_tokens)
         return sampler, AutoTokenizer.from_pretrained(path)
     device = common.autodetect_device_type()
     model, tokenizer = models.load_model(model_name, device=device, dtype=common.autodetect_dtype(device))
     return TorchSampler(model), tokenizer
 
 
-def env_factory(args):
+def make_env_from_flags(args):
     """A make_env() for --env with --env_options (and --data/--split for search_qa)."""
     options = json.loads(args.env_options)
     if args.max_turns is not None:
@@ -237,40 +211,43 @@ def env_factory(args):
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.RawTextHelpFormatter)
+    add = parser.add_argument
     # Models and sampling
-    parser.add_argument("--model", action="append", required=True, help="HF name, checkpoint dir or 'tiny'; repeat for rows")
-    parser.add_argument("--sampler", choices=["torch", "vllm"], default=None, help="default: vllm on a GPU, else torch")
-    parser.add_argument("--temperature", type=float, nargs="+", default=[0.0], help="0 = greedy; several give several rows")
-    parser.add_argument("--samples", type=int, default=1, help="samples per seed when sampling (pass@k up to this)")
-    parser.add_argument("--max_new_tokens", type=int, default=256, help="per assistant turn")
-    parser.add_argument("--max_total_tokens", type=int, default=4096, help="per episode")
-    parser.add_argument("--seeds_per_batch", type=int, default=64, help="seeds per rollout() call (x samples episodes)")
+    add("--model", action="append", required=True, help="HF name, checkpoint dir or 'tiny'; repeat for rows")
+    add("--sampler", choices=["torch", "vllm"], default=None, help="default: vllm on a GPU, else torch")
+    add("--temperature", type=float, nargs="+", default=[0.0], help="0 = greedy; several give several rows")
+    add("--samples", type=int, default=1, help="samples per seed when sampling (pass@k up to this)")
+    add("--max_new_tokens", type=int, default=256, help="per assistant turn")
+    add("--max_total_tokens", type=int, default=4096, help="per episode")
+    add("--seeds_per_batch", type=int, default=64, help="seeds per rollout() call (x samples episodes)")
     # Environment and data
-    parser.add_argument("--env", default="synthetic_qa", choices=sorted(envs.ENVS))
-    parser.add_argument("--env_options", default="{}", help='JSON constructor options, e.g. \'{"hops": 3}\'')
-    parser.add_argument("--max_turns", type=int, default=None, help="default: the env's own")
-    parser.add_argument("--data", default="hotpotqa", help="search_qa: Hub name or local .json/.jsonl/.parquet")
-    parser.add_argument("--split", default="validation",
-                        help="search_qa: the held-out split (a local file: its held-out share; 'all': every row)")
-    parser.add_argument("--n", type=int, default=256, help="evaluation seeds (search_qa: rows)")
-    parser.add_argument("--seed_start", type=int, default=None, help="default: EVAL_SEED_START (search_qa: 0)")
+    add("--env", default="synthetic_qa", choices=sorted(envs.ENVS))
+    add("--env_options", default="{}", help='JSON constructor options, e.g. \'{"hops": 3}\'')
+    add("--max_turns", type=int, default=None, help="default: the env's own")
+    add("--data", default="hotpotqa", help="search_qa: Hub name or local .json/.jsonl/.parquet")
+    add("--split", default="validation",
+        help="search_qa: the held-out split (a local file: its held-out share; 'all': every row)")
+    add("--n", type=int, default=256, help="evaluation seeds (search_qa: rows)")
+    add("--seed_start", type=int, default=None, help="default: EVAL_SEED_START (search_qa: 0)")
     # Output and modes
-    parser.add_argument("--baselines", action="store_true", help="add naive_rag and no_retrieval rows per model")
-    parser.add_argument("--json", default=None, help="also write the rows to this JSON file")
-    parser.add_argument("--chat", action="store_true", help="talk to the (first) model with --env's tools for --seed")
-    parser.add_argument("--seed", type=int, default=0, help="chat: the env seed whose tools (KB) are used")
+    add("--baselines", action="store_true", help="add naive_rag and no_retrieval rows per model")
+    add("--json", default=None, help="also write the rows to this JSON file")
+    add("--chat", action="store_true", help="talk to the (first) model with --env's tools for --seed")
+    add("--seed", type=int, default=0, help="chat: the env seed whose tools (KB) are used")
     args = parser.parse_args(argv)
 
-    from nanoagent.common import autodetect_device_type
-    sampler_kind = args.sampler or ("vllm" if autodetect_device_type() == "cuda" else "torch")
-    make_env = env_factory(args)
+    sampler_kind = args.sampler or ("vllm" if common.autodetect_device_type() == "cuda" else "torch")
+    make_env = make_env_from_flags(args)
     if args.chat:
         sampler, tokenizer = make_sampler(sampler_kind, args.model[0], args.max_total_tokens)
-        chat(sampler, tokenizer, make_env(), args.seed, args.max_turns or 4, args.max_new_tokens, args.max_total_tokens,
-             args.temperature[0], color=sys.stdout.isatty())
+        chat(sampler, tokenizer, make_env(), args.seed, args.max_turns or 4, args.max_new_tokens,
+             args.max_total_tokens, args.temperature[0], color=sys.stdout.isatty())
         return
-    seed_start = args.seed_start if args.seed_start is not None else 0 if args.env == "search_qa" else envs.EVAL_SEED_START
+    seed_start = args.seed_start
+    if seed_start is None:
+        seed_start = 0 if args.env == "search_qa" else envs.EVAL_SEED_START
     seeds = range(seed_start, seed_start + args.n)
     settings = ["tools"]
     if args.baselines:

@@ -41,7 +41,9 @@ is left off the mask.
 
 Estimators: GAE (PPO, with a critic), GRPO / Dr.GRPO (group-relative, one score per trajectory),
 REINFORCE++ (discounted return-to-go, whitened over the batch). Plus the masked reductions the loss needs
-(loss aggregation modes, KL estimators) and a renderer that prints who wrote what.
+(loss aggregation modes, KL estimators), `collate` (rollout's trajectories as the (B, T) tensors the trainer
+reads, masks and placed rewards included) and a renderer that prints who wrote what. This file imports
+nothing from the project: rollout.py makes trajectories, this file reads them.
 All per-token tensors are (B, T): B trajectories, T token positions, padding has mask 0.
 """
 
@@ -63,21 +65,37 @@ def masked_mean(values, mask, dim=None):
     return masked_sum(values, mask, dim) / count.clamp(min=1)
 
 
-def masked_whiten(values, mask, eps=1e-8, sum_over_ranks=None):
-    """(values - mean) / std over the positions where mask is 1 (unbiased std); 0 off the mask.
+def masked_variance(values, mask, global_sum=None):
+    """(mean, values - mean with 0 off the mask, unbiased variance) over the positions where mask is 1.
 
-    When the batch is split over ranks, sum_over_ranks (nanoagent.parallel.sum_over_ranks) makes the mean
-    and the variance those of the whole batch, so the result does not depend on the split.
+    When the batch is split over ranks, global_sum (a function that sums a tensor over all ranks,
+    nanoagent.parallel.sum_over_ranks) makes the mean and the variance those of the whole batch.
     """
-    total = lambda tensor: tensor if sum_over_ranks is None else sum_over_ranks(tensor)
+    total = (lambda tensor: tensor) if global_sum is None else global_sum
     sum_and_count = total(torch.stack([masked_sum(values, mask), mask.sum().to(values.dtype)]))
     mean = sum_and_count[0] / sum_and_count[1].clamp(min=1)
     centered = torch.where(mask.bool(), values - mean, torch.zeros_like(values))
     variance = total(masked_sum(centered ** 2, mask)) / (sum_and_count[1] - 1).clamp(min=1)
+    return mean, centered, variance
+
+
+def masked_whiten(values, mask, eps=1e-8, global_sum=None):
+    """(values - mean) / std over the positions where mask is 1 (masked_variance); 0 off the mask."""
+    _, centered, variance = masked_variance(values, mask, global_sum)
     return centered * torch.rsqrt(variance + eps)
 
 
-def aggregate_loss(loss_per_token, mask, mode, norm_constant=None, sum_over_ranks=None):
+def explained_variance(values, returns, mask, global_sum=None):
+    """1 - Var[returns - values] / Var[returns] over the mask-1 positions, a float: how much of the returns
+    the critic predicts (CleanRL logs it beside approx KL). 1 is a perfect critic, 0 one no better than a
+    constant, below 0 a worse one; nan when the returns do not vary."""
+    variance_of_returns = masked_variance(returns, mask, global_sum)[2]
+    if variance_of_returns == 0:
+        return float("nan")
+    return (1 - masked_variance(returns - values, mask, global_sum)[2] / variance_of_returns).item()
+
+
+def aggregate_loss(loss_per_token, mask, mode, norm_constant=None, global_sum=None):
     """
     Reduce a (B, T) per-token loss to a scalar over the masked tokens. Modes:
       "token-mean"               every agent token in the batch weighs the same (DAPO). Long
@@ -88,7 +106,7 @@ def aggregate_loss(loss_per_token, mask, mode, norm_constant=None, sum_over_rank
       "seq-mean-token-sum-norm"  sum over each trajectory's tokens divided by a constant
                                  (norm_constant, default T), then mean over trajectories (Dr.GRPO).
                                  Same per-token weight everywhere, and it does not move with the batch.
-    With the batch split over ranks, sum_over_ranks counts the tokens (or trajectories) of the whole batch:
+    With the batch split over ranks, global_sum counts the tokens (or trajectories) of the whole batch:
     each rank's result is then its share, and the shares of all ranks add up to the whole batch's loss.
     """
     if mode == "token-mean":
@@ -100,8 +118,8 @@ def aggregate_loss(loss_per_token, mask, mode, norm_constant=None, sum_over_rank
         total, count = (masked_sum(loss_per_token, mask, dim=-1) / norm_constant).sum(), mask.new_tensor(mask.shape[0])
     else:
         raise ValueError(f"unknown loss aggregation mode {mode!r}")
-    if sum_over_ranks is not None:
-        count = sum_over_ranks(count)
+    if global_sum is not None:
+        count = global_sum(count)
     return total / count.clamp(min=1)
 
 
@@ -138,14 +156,10 @@ def last_agent_positions(action_mask):
 
 
 def place_rewards(turn_rewards, turn_end_positions, action_mask):
-    """
-    Scatter per-turn rewards onto a (B, T) token-reward tensor.
-    turn_rewards[b][k] lands on turn_end_positions[b][k], the index of turn k's last agent token (e.g. from
-    last_agent_positions). The env's step reward of the final turn already includes the outcome, so the final
-    reward ends up on the last agent token of the trajectory. A position that is not an agent token (the
-    caller passed the end of a trailing tool response, say) moves back to the nearest preceding agent token:
-    the reward is kept, never dropped.
-    """
+    """Scatter per-turn rewards onto a (B, T) token-reward tensor: turn_rewards[b][k] lands on
+    turn_end_positions[b][k], turn k's last agent token (the final turn's reward holds the outcome). A position
+    that is not an agent token (the end of a trailing tool response, say) moves back to the nearest preceding
+    agent token: the reward is kept, never dropped."""
     B, T = action_mask.shape
     assert len(turn_rewards) == len(turn_end_positions) == B, "need one list of rewards and positions per row"
     token_rewards = torch.zeros(B, T, dtype=torch.float32, device=action_mask.device)
@@ -165,17 +179,38 @@ def assert_rewards_on_mask(token_rewards, action_mask):
     assert (off_mask == 0).all(), "reward on a non-agent token would be lost: place it with place_rewards"
 
 
+def collate(trajectories, pad_token_id):
+    """Right-pad rollout.Trajectory objects into (B, T) tensors for the trainer. Token-aligned: action_mask[b, t]
+    = 1 iff token t of row b was sampled, sampler_logprobs[b, t] is its log-prob, token_rewards[b, t] holds the
+    rewards of the turns that end at t (place_rewards), prompt_lengths[b] counts row b's opening prompt tokens."""
+    num_rows, width = len(trajectories), max(len(trajectory.token_ids) for trajectory in trajectories)
+    batch = {
+        "input_ids": torch.full((num_rows, width), pad_token_id, dtype=torch.long),
+        "attention_mask": torch.zeros(num_rows, width, dtype=torch.long),
+        "action_mask": torch.zeros(num_rows, width, dtype=torch.long),
+        "sampler_logprobs": torch.zeros(num_rows, width, dtype=torch.float32),
+    }
+    for row, trajectory in enumerate(trajectories):
+        length = len(trajectory.token_ids)
+        batch["input_ids"][row, :length] = torch.tensor(trajectory.token_ids)
+        batch["attention_mask"][row, :length] = 1
+        batch["action_mask"][row, :length] = torch.tensor(trajectory.action_mask)
+        batch["sampler_logprobs"][row, :length] = torch.tensor(trajectory.logprobs)
+    batch["token_rewards"] = place_rewards([trajectory.turn_rewards for trajectory in trajectories],
+                                           [trajectory.turn_end_positions for trajectory in trajectories],
+                                           batch["action_mask"])  # (B, T)
+    batch["prompt_lengths"] = torch.tensor([trajectory.prompt_length for trajectory in trajectories])  # (B,)
+    batch["truncated"] = torch.tensor([trajectory.truncated for trajectory in trajectories])  # (B,)
+    return batch
+
+
 # -----------------------------------------------------------------------------
 # Advantage estimators
 
 def compute_gae(token_rewards, values, action_mask, gamma, lam, last_values=None):
-    """
-    Generalized Advantage Estimation over agent tokens only; environment tokens are skipped.
-    Inputs (B, T) floats; returns (advantages, returns), both (B, T) and 0 where action_mask is 0.
-    last_values (B,): the value after each row's last agent token, V(s_end): 0 (the default) where the
-    episode ended, the critic's estimate where a budget cut it (bootstrapping; train.bootstrap_values).
-    No whitening here: call masked_whiten on the advantages if you want it.
-    """
+    """Generalized Advantage Estimation over agent tokens only; environment tokens are skipped. Inputs (B, T);
+    returns (advantages, returns), (B, T), 0 off the mask, not whitened. last_values (B,): V(s_end) after each
+    row's last agent token, 0 (the default) where the episode ended (train.bootstrap_values)."""
     assert_rewards_on_mask(token_rewards, action_mask)
     B, T = token_rewards.shape
     mask = action_mask.bool()
@@ -195,14 +230,10 @@ def compute_gae(token_rewards, values, action_mask, gamma, lam, last_values=None
 
 
 def grpo_advantages(scores, group_ids, scale_by_std=True, eps=1e-6):
-    """
-    GRPO: each trajectory's score relative to the other samples of the same prompt (its group):
-    A = (score − group mean) / (group std + eps), unbiased std. scale_by_std=False is Dr.GRPO: no std
-    division, which would up-weight prompts that are almost always solved or almost always failed.
-    scores (N,) floats, group_ids (N,) ints; returns (N,). The same A is used for every agent token.
-    A group whose scores are all equal, including a group of one, has nothing to compare and gets exactly 0
-    (verl's group of one keeps its raw score; float rounding of the mean would leak noise past eps).
-    """
+    """GRPO: A = (score − group mean) / (group std + eps) (unbiased std) for each trajectory, (N,) from scores
+    and group_ids (N,); every agent token gets its A. scale_by_std=False is Dr.GRPO: the std division would
+    up-weight prompts almost always solved or failed. A group whose scores are all equal (a group of one
+    too) gets exactly 0, which float rounding of the mean would not give."""
     scores = torch.as_tensor(scores, dtype=torch.float32)
     group_ids = torch.as_tensor(group_ids, device=scores.device)
     _, group_index = torch.unique(group_ids, return_inverse=True)  # (N,) in 0..G-1
@@ -219,11 +250,11 @@ def grpo_advantages(scores, group_ids, scale_by_std=True, eps=1e-6):
     return torch.where(no_signal, 0.0, advantages)
 
 
-def reinforce_pp_advantages(token_rewards, action_mask, gamma, sum_over_ranks=None):
+def reinforce_pp_advantages(token_rewards, action_mask, gamma, global_sum=None):
     """
     REINFORCE++: no critic, no groups. Each agent token gets its discounted return-to-go over the agent
     tokens after it, G_t = r_t + γ G(next agent token), and the returns are whitened over all agent tokens
-    of the batch (a global baseline; over all ranks' batches with sum_over_ranks). Returns (B, T), 0 off the mask.
+    of the batch (a global baseline; over all ranks' batches with global_sum). Returns (B, T), 0 off the mask.
     """
     assert_rewards_on_mask(token_rewards, action_mask)
     B, T = token_rewards.shape
@@ -233,7 +264,7 @@ def reinforce_pp_advantages(token_rewards, action_mask, gamma, sum_over_ranks=No
     for t in reversed(range(T)):
         next_return = torch.where(mask[:, t], token_rewards[:, t] + gamma * next_return, next_return)
         returns[:, t] = torch.where(mask[:, t], next_return, 0.0)
-    return masked_whiten(returns, action_mask, sum_over_ranks=sum_over_ranks)
+    return masked_whiten(returns, action_mask, global_sum=global_sum)
 
 
 # -----------------------------------------------------------------------------
@@ -243,12 +274,9 @@ AGENT_COLOR, ENV_COLOR, REWARD_COLOR, RESET = "\033[32m", "\033[90m", "\033[1;33
 
 
 def render_trajectory(token_ids, action_mask, tokenizer, token_rewards=None, color=True):
-    """
-    One trajectory as text with its authors visible: agent tokens green and environment tokens grey
-    (color=True, for terminals and notebooks), or environment text wrapped in [env]...[/env]
-    (color=False). A nonzero reward prints as ⟨+1.00⟩ right after the token it sits on.
-    token_ids and action_mask are (T,); token_rewards (T,) or None. tokenizer needs .decode(list_of_ids).
-    """
+    """One trajectory as text with its authors visible: agent tokens green and environment tokens grey
+    (color=True), or environment text in [env]...[/env] (color=False); a nonzero reward prints as ⟨+1.00⟩
+    after its token. token_ids and action_mask are (T,); token_rewards (T,) or None."""
     token_ids = torch.as_tensor(token_ids).tolist()
     is_agent = torch.as_tensor(action_mask).bool().tolist()
     rewards = [0.0] * len(token_ids) if token_rewards is None else torch.as_tensor(token_rewards).tolist()

@@ -48,14 +48,13 @@ environment tokens: observations are only appended when another turn follows.
 import hashlib
 import json
 import re
+import statistics
 from dataclasses import dataclass
 from functools import lru_cache
 
-import torch
 from tqdm import tqdm
 
 import envs
-import masks
 
 END_OF_TURN = "<|im_end|>"  # Qwen2.5's end-of-turn token, what an assistant turn stops on
 STOP_TOKENS = (END_OF_TURN, "<|endoftext|>")  # the sampler stops a turn on either (as Qwen2.5-Instruct does)
@@ -175,7 +174,7 @@ def append(trajectory, token_ids, mask, logprobs=None):
     trajectory.logprobs += logprobs if logprobs is not None else [0.0] * len(token_ids)
 
 
-def finish_turn(generation, end_of_turn):
+def close_turn(generation, end_of_turn):
     """A sampled turn's (ids the env reads as text, ids to append after it): the text leaves out the
     stop token, and a turn cut by length gets an env-written <|im_end|> so the chat stays well formed."""
     sampled = generation.token_ids[:-1] if generation.finish_reason == "stop" else generation.token_ids
@@ -223,7 +222,7 @@ def rollout(sampler, tokenizer, make_env, seeds, group_size, max_turns, max_new_
             trajectory.turn_end_positions.append(len(trajectory.token_ids) - 1)
             trajectory.num_turns += 1
             # The env reads text: the turn without its stop token. Decoding is fine, it is never re-encoded.
-            sampled, closing = finish_turn(generation, end_of_turn)
+            sampled, closing = close_turn(generation, end_of_turn)
             texts.append(tokenizer.decode(sampled))
             closings.append(closing)
             trajectory.messages.append({"role": "assistant", "content": texts[-1]})
@@ -254,29 +253,32 @@ def rollout(sampler, tokenizer, make_env, seeds, group_size, max_turns, max_new_
     return trajectories
 
 
-def collate(trajectories, pad_token_id):
-    """Right-pad trajectories into (B, T) tensors for the trainer. Token-aligned: action_mask[b, t] = 1 iff
-    token t of row b was sampled, sampler_logprobs[b, t] is its log-prob, token_rewards[b, t] holds the
-    rewards of the turns that end at t (masks.place_rewards; each turn ends on its last sampled token),
-    prompt_lengths[b] counts the opening prompt tokens of row b."""
-    num_rows, width = len(trajectories), max(len(trajectory.token_ids) for trajectory in trajectories)
-    batch = {
-        "input_ids": torch.full((num_rows, width), pad_token_id, dtype=torch.long),
-        "attention_mask": torch.zeros(num_rows, width, dtype=torch.long),
-        "action_mask": torch.zeros(num_rows, width, dtype=torch.long),
-        "sampler_logprobs": torch.zeros(num_rows, width, dtype=torch.float32),
+def summarize(trajectories):
+    """The numbers training logs and eval.py tabulates for a batch of trajectories, one definition each:
+      reward, reward_std  mean episode score (sum of step rewards) and its spread
+      success, em, f1     the env's success flag; exact match and token F1 of the final answer (QA envs)
+      turns, tool_calls   per episode; invalid_call_rate: invalid calls over all calls
+      response_tokens     tokens the agent wrote per episode; trajectory_tokens, prompt_tokens likewise
+      truncated           episodes stopped by max_turns or the token budget, not by the env
+      no_answer           tool-env episodes that ended without an <answer>
+      prompt_too_long     episodes whose prompt left no room for a turn (they score 0)
+    """
+    mean = statistics.fmean
+    calls = sum(t.info.get("tool_calls", 0) for t in trajectories)
+    summary = {
+        "reward": mean(t.score for t in trajectories),
+        "reward_std": statistics.pstdev([t.score for t in trajectories]),
+        "success": mean(float(t.info["success"]) for t in trajectories),
+        "turns": mean(t.num_turns for t in trajectories),
+        "tool_calls": mean(t.info.get("tool_calls", 0) for t in trajectories),
+        "invalid_call_rate": sum(t.info.get("invalid_calls", 0) for t in trajectories) / max(1, calls),
+        "response_tokens": mean(sum(t.action_mask) for t in trajectories),
+        "trajectory_tokens": mean(len(t.token_ids) for t in trajectories),
+        "prompt_tokens": mean(t.prompt_length for t in trajectories),
+        "truncated": mean(float(t.truncated) for t in trajectories),
+        "no_answer": mean(float("answer" in t.info and t.info["answer"] is None) for t in trajectories),
+        "prompt_too_long": mean(float(t.num_turns == 0) for t in trajectories),
     }
-    for row, trajectory in enumerate(trajectories):
-        length = len(trajectory.token_ids)
-        batch["input_ids"][row, :length] = torch.tensor(trajectory.token_ids)
-        batch["attention_mask"][row, :length] = 1
-        batch["action_mask"][row, :length] = torch.tensor(trajectory.action_mask)
-        batch["sampler_logprobs"][row, :length] = torch.tensor(trajectory.logprobs)
-    batch["token_rewards"] = masks.place_rewards([trajectory.turn_rewards for trajectory in trajectories],
-                                                 [trajectory.turn_end_positions for trajectory in trajectories],
-                                                 batch["action_mask"])  # (B, T)
-    batch["prompt_lengths"] = torch.tensor([trajectory.prompt_length for trajectory in trajectories])  # (B,)
-    batch["scores"] = torch.tensor([trajectory.score for trajectory in trajectories], dtype=torch.float32)  # (B,)
-    batch["group_ids"] = torch.tensor([trajectory.group_id for trajectory in trajectories], dtype=torch.long)  # (B,)
-    batch["truncated"] = torch.tensor([trajectory.truncated for trajectory in trajectories])  # (B,)
-    return batch
+    if all("em" in t.info for t in trajectories):
+        summary.update(em=mean(t.info["em"] for t in trajectories), f1=mean(t.info["f1"] for t in trajectories))
+    return summary

@@ -1,26 +1,20 @@
 """Supervised warm-up on demonstrations: the step before RL that teaches a model the format.
 
-RL can only sharpen what a policy already does sometimes. Qwen2.5-Instruct arrives knowing how to
-write `<tool_call>{json}</tool_call>` and `<answer>...</answer>`; a tiny model from random weights does
-not, so none of its rollouts ever earns a reward, every GRPO group is flat, and nothing is learned.
-The fix (the "cold start" SFT of DeepSeek-R1 and most agent-RL recipes) is a short supervised pass on
-demonstration episodes before RL.
+RL can only sharpen what a policy already does sometimes. A tiny model from random weights never writes
+`<tool_call>{json}</tool_call>` or `<answer>...</answer>` (Qwen2.5-Instruct does), so no rollout earns a
+reward and every GRPO group is flat. The fix, the "cold start" SFT of DeepSeek-R1 and most agent-RL
+recipes, is a short supervised pass on demonstration episodes.
 
 The warm-up must leave a *weak* agent, or RL has nothing left to do. It runs in two phases:
-  1. correct demonstrations of an easier version of the task (the env's `warmup_options`: one-hop
-     questions for the synthetic search task), until the model has the skill the task needs: copy a
-     name from a question or a search result into the next query;
-  2. flawed demonstrations, wrong in the ways a weak agent is wrong (SyntheticQAEnv.demonstration with
-     a mistake rate): searching the wrong entity, repeating a query, answering with the intermediate
-     entity instead of the final one. The model keeps the skill and learns to misuse it: on the
-     default settings its held-out success falls to a few percent.
-Uniform noise would not do for phase 2: the right entity would stay the most likely token everywhere,
-and greedy decoding would already be near perfect.
+  1. correct demonstrations of an easier version of the task (the env's `warmup_options`) teach its skill,
+     copying a name from the context into the next query, in a sudden (induction-head-like) jump that
+     flawed demonstrations alone bring much later: most of their names are not in the context;
+  2. flawed demonstrations (the env's `demonstration` with a mistake rate), wrong the way a weak agent is:
+     the model keeps the skill and learns to misuse it, so RL starts low. Uniform noise would not do: the
+     right entity would stay the most likely token, and greedy decoding would already be near perfect.
 
-The loss is next-token cross-entropy on the assistant's tokens only (each assistant turn and its
-closing <|im_end|>), the same action mask RL uses: the model learns to act, not to predict tool output.
-The warmed-up model is saved as an ordinary HF checkpoint and cached, keyed by everything it depends on,
-so the default `python train.py` pays for it once.
+The loss is next-token cross-entropy on the assistant's tokens only, the same action mask RL uses: the
+model learns to act, not to predict tool output. The result is an HF checkpoint, cached: train.py pays once.
 """
 
 import hashlib
@@ -40,25 +34,8 @@ from nanoagent.common import print0
 from nanoagent.models import cache_dir, load_model, resolve_model_path
 
 
-def demonstration_episode(env, seed, mistake_rate, rng):
-    """Play one demonstration through the env; returns (messages, tool_schemas, solved)."""
-    messages, tool_schemas = env.reset(seed)
-    result = None
-    for text in env.demonstration(mistake_rate=mistake_rate, rng=rng):
-        messages.append({"role": "assistant", "content": text})
-        result = env.step(text)
-        messages.extend(result.observations)
-        if result.done:
-            break
-    return messages, tool_schemas, bool(result and result.info["success"])
-
-
 def assistant_token_mask(tokenizer, input_ids):
-    """1 on the tokens of every assistant turn, its closing <|im_end|> included; 0 elsewhere.
-
-    Scans the rendered chat for `<|im_start|>assistant\\n` and marks everything up to the next
-    <|im_end|>: exactly the tokens a sampler would have produced in a rollout.
-    """
+    """1 on what follows each `<|im_start|>assistant\\n` up to its <|im_end|> included (a sampler's tokens), else 0."""
     header = rollout.encode(tokenizer, "<|im_start|>assistant\n")
     im_end = tokenizer.convert_tokens_to_ids(rollout.END_OF_TURN)
     mask, inside, t = [0] * len(input_ids), False, 0
@@ -73,27 +50,27 @@ def assistant_token_mask(tokenizer, input_ids):
     return mask
 
 
-def tokenize_conversation(tokenizer, messages, tool_schemas):
-    """Render a conversation with the chat template; return (input_ids, assistant mask)."""
-    input_ids = rollout.encode_chat(tokenizer, messages, tool_schemas)
-    return input_ids, assistant_token_mask(tokenizer, input_ids)
-
-
 def demonstrations(tokenizer, env_class, env_kwargs, num_episodes, mistake_rate, rng, first_seed):
     """Tokenized demonstration episodes on training seeds first_seed, first_seed + 1, ...: [(ids, mask)]."""
     examples, solved = [], 0
     for seed in range(first_seed, first_seed + num_episodes):
-        messages, tool_schemas, success = demonstration_episode(env_class(**env_kwargs), seed, mistake_rate, rng)
-        examples.append(tokenize_conversation(tokenizer, messages, tool_schemas))
-        solved += success
+        env = env_class(**env_kwargs)
+        messages, tool_schemas = env.reset(seed)
+        for text in env.demonstration(mistake_rate=mistake_rate, rng=rng):
+            messages.append({"role": "assistant", "content": text})
+            result = env.step(text)
+            messages.extend(result.observations)
+            if result.done:
+                break
+        input_ids = rollout.encode_chat(tokenizer, messages, tool_schemas)
+        examples.append((input_ids, assistant_token_mask(tokenizer, input_ids)))
+        solved += result.info["success"]
     print0(f"warm-up: {num_episodes} demonstrations at mistake rate {mistake_rate}, "
            f"{solved / num_episodes:.0%} of them solve their task")
     return examples
 
 
-# Everything whose change changes the warmed-up weights, besides the arguments: the code that writes the
-# demonstrations, renders and masks them, builds the tiny model and runs this loop, and the libraries
-# whose kernels compute it. A stale warm-up is never reused after an edit to any of them.
+# The files whose edit changes the warmed-up weights: they key the cache, so a stale warm-up is never reused.
 WARM_UP_CODE = ["sft.py", "envs.py", "tools.py", "rollout.py", "masks.py", "nanoagent/models.py",
                 "nanoagent/qwen25_chat_template.jinja"]
 
@@ -109,17 +86,12 @@ def warm_up_code_hash():
 
 def warm_up(model_name, env_name, env_kwargs, clean_steps=1200, steps=300, batch_size=16, lr=3e-3,
             mistake_rate=0.6, num_episodes=3000, seed=0, device="cpu"):
-    """Supervised warm-up of `model_name` on demonstrations of `env_name`; returns the checkpoint path.
-
-    Two phases: `clean_steps` on correct demonstrations, then `steps` on flawed ones (each decision
-    wrong with probability `mistake_rate`). Cached under the nanoagent cache directory, keyed by every
-    argument and by the code it runs (warm_up_code_hash), so a second call is free. Episodes use training seeds
-    only (below envs.EVAL_SEED_START).
-    """
+    """Warms `model_name` up on demonstrations of `env_name`: `clean_steps` on correct ones, then `steps`
+    on flawed ones (each decision wrong with probability `mistake_rate`), on training seeds only (below
+    envs.EVAL_SEED_START). Returns the checkpoint path, cached by every argument and warm_up_code_hash."""
     env_class = envs.ENVS[env_name]
     assert hasattr(env_class, "demonstration"), f"--env {env_name} has no demonstrations: pass --warmup_steps 0"
-    # 'tiny' -> its directory, named after the hash of its recipe; a Hub name or a directory as given. The
-    # key names the model, not where the cache lives: moving the cache must not retrain.
+    # The key names the model ('tiny' by its recipe's directory), not the cache's path: moving it must not retrain.
     resolved = resolve_model_path(model_name)
     model_key = Path(resolved).name if model_name == "tiny" else str(model_name)
     settings = dict(model=model_key, env=env_name, env_kwargs=env_kwargs, clean_steps=clean_steps, steps=steps,
@@ -133,12 +105,7 @@ def warm_up(model_name, env_name, env_kwargs, clean_steps=1200, steps=300, batch
     model, tokenizer = load_model(resolved, device=device)
     model.train()
     rng = random.Random(seed)
-    # Phase 1 builds the skill: from correct demonstrations a tiny model learns to copy a name from its
-    # context into a query, in a sudden transition a few hundred steps in (an induction-head-like jump).
-    # From flawed demonstrations alone that jump does not come within minutes: most of their names are
-    # not in the context to be copied. (An instruct model arrives with the skill from pretraining.)
-    # Phase 2 makes it a weak agent again: it keeps the skill but learns to misuse it, so RL starts low.
-    phases = [(clean_steps, 0.0), (steps, mistake_rate)]
+    phases = [(clean_steps, 0.0), (steps, mistake_rate)]  # phase 1 builds the skill, phase 2 its misuse
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
     # A short linear warm-up, then constant: decaying the rate before the jump only delays it.
     schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: min(1.0, (step + 1) / 20))
@@ -146,7 +113,7 @@ def warm_up(model_name, env_name, env_kwargs, clean_steps=1200, steps=300, batch
     for phase, (phase_steps, phase_mistake_rate) in enumerate(phases):
         if phase_steps == 0:
             continue
-        kwargs = {**env_kwargs, **env_class.warmup_options} if phase == 0 else env_kwargs  # phase 1: the easy version
+        kwargs = {**env_kwargs, **env_class.warmup_options} if phase == 0 else env_kwargs
         examples = demonstrations(tokenizer, env_class, kwargs, num_episodes, phase_mistake_rate, rng,
                                   first_seed=phase * num_episodes)
         progress = tqdm(range(phase_steps), desc=f"warm-up (SFT), {'correct' if phase == 0 else 'flawed'} demos")

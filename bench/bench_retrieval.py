@@ -205,12 +205,14 @@ def tool_time(num_passages: int, episodes: int = 64, repeats: int = 9):
         retriever = BM25Retriever.build(passages, directory, total=len(passages))
         port = free_port()  # the server is its own process, as on a training node
         server = subprocess.Popen([sys.executable, "-m", "nanoagent.retrieval", "serve", "--index", directory,
-                                   "--host", "127.0.0.1", "--port", str(port)], cwd=Path(__file__).resolve().parent.parent)
+                                   "--host", "127.0.0.1", "--port", str(port)],
+                                  cwd=Path(__file__).resolve().parent.parent)
         url = f"http://127.0.0.1:{port}/retrieve"
         wait_for(url)
         remote = RemoteRetriever(url, timeout_s=30)
-        for label, backend, calls in (("BM25 index", retriever, calls), ("BM25 via HTTP server", remote, calls),
-                                      ("HTTP server, queries matching nothing (the requests' own cost)", remote, unmatched)):
+        workloads = (("BM25 index", retriever, calls), ("BM25 via HTTP server", remote, calls),
+                     ("HTTP server, queries matching nothing (the requests' own cost)", remote, unmatched))
+        for label, backend, calls in workloads:
             search = {"search": tools.search_tool(backend)}
             timings = {"per call": [], "batched": []}
             for _ in range(repeats):
@@ -262,8 +264,9 @@ def main():
     if len(results) == 2:
         overlaps = [len(set(a) & set(b)) / max(len(a), 1) for a, b in zip(results["hand_written"]["top10"],
                                                                          results["bm25s"]["top10"])]
+        identical = sum(a == b for a, b in zip(results["hand_written"]["top10"], results["bm25s"]["top10"]))
         print(f"top-10 agreement over {len(overlaps)} queries: {statistics.mean(overlaps):.1%} "
-              f"(identical lists: {sum(a == b for a, b in zip(results['hand_written']['top10'], results['bm25s']['top10']))})")
+              f"(identical lists: {identical})")
 
 
 if __name__ == "__main__":

@@ -94,7 +94,8 @@ def hf_generate_tokens(prompts, stop_token_ids):
     config = GenerationConfig(do_sample=True, temperature=1.0, top_k=0, top_p=1.0, max_new_tokens=args.max_new_tokens,
                               eos_token_id=stop_token_ids or None, pad_token_id=tokenizer.pad_token_id)
     with torch.inference_mode():
-        new_tokens = model.generate(input_ids=input_ids, attention_mask=attention_mask, generation_config=config)[:, width:]
+        generated = model.generate(input_ids=input_ids, attention_mask=attention_mask, generation_config=config)
+        new_tokens = generated[:, width:]
     count = 0
     for row in new_tokens.tolist():  # a row's tokens up to and including its first stop token
         count += next((index + 1 for index, token in enumerate(row) if token in stop_token_ids), len(row))
@@ -131,7 +132,8 @@ for name, rows, stop_token_ids in [("fixed length", prompts, []), ("rollout turn
         return tokens_per_second(sampler_tokens(sampler), rows, stop_token_ids)
     ours = rate(TorchSampler(model, batch_size=args.batch_size))
     theirs = tokens_per_second(hf_generate_tokens, rows, stop_token_ids)
-    line = f"{name:13s} TorchSampler {ours:7.0f} tokens/s   model.generate {theirs:7.0f} tokens/s   {ours / theirs:5.2f}x"
+    line = (f"{name:13s} TorchSampler {ours:7.0f} tokens/s   model.generate {theirs:7.0f} tokens/s   "
+            f"{ours / theirs:5.2f}x")
     if vllm_sampler is not None:
         engine = rate(vllm_sampler)
         line += f"   VLLMSampler {engine:7.0f} tokens/s   TorchSampler / VLLMSampler {ours / engine:5.2f}x"

@@ -36,7 +36,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the concept files live at the repository root
 import train  # noqa: E402
-from nanoagent.parallel import compute_dtype  # noqa: E402
+from nanoagent.common import autodetect_dtype  # noqa: E402
 
 # Dense bf16 tensor-core peaks from the vendor's datasheets (SXM parts), in FLOP/s.
 BF16_PEAK = {"H200": 989e12, "H100": 989e12, "A100": 312e12}
@@ -80,7 +80,8 @@ def timed_run(train_argv, steps):
 def main():
     parser = argparse.ArgumentParser(add_help=False)
     parser.add_argument("--steps", type=int, default=20, help="training steps (at least 3: two are not timed)")
-    parser.add_argument("--peak_tflops", type=float, default=None, help="the GPU's dense bf16 peak (default: known cards)")
+    parser.add_argument("--peak_tflops", type=float, default=None,
+                        help="the GPU's dense bf16 peak (default: known cards)")
     own, train_argv = parser.parse_known_args()
     if own.steps < 3:
         parser.error("--steps must be at least 3: the first two steps are not timed")
@@ -103,7 +104,7 @@ def main():
     if args.algo == "ppo":
         flops += (2 + 6 * args.ppo_epochs) * body * body_tokens
     flops *= kept / episodes  # the update trains on the kept trajectories only (taken to be of average length)
-    dtype = compute_dtype(parameter.device)  # what the matmuls run in (the stored master weights are float32)
+    dtype = autodetect_dtype(parameter.device.type)  # what the matmuls run in (the stored master weights are float32)
     ceiling = matmul_ceiling(parameter.device, dtype, 8192 if parameter.device.type == "cuda" else 1024)
     achieved = flops / seconds
     peak_mb = peak_memory_mb()

@@ -23,14 +23,14 @@ TRL's tool loop runs only while the model's turns parse as tool calls, so a turn
 call nor an answer, or a malformed call, ends its episode. nanoagent's env is run with
 `end_on_format_error=True`, which ends its episodes at the same turns. (By default the env answers
 such a turn with the error and lets the model retry, which learns this task more slowly: see the
-README's Performance section.) What still differs: a well-formed call with a wrong tool name or
+docs/performance.md.) What still differs: a well-formed call with a wrong tool name or
 argument is an error that ends nanoagent's episode, while TRL returns the error and goes on.
 
 Each run is its own process, so that peak memory (the process's peak RSS) is its own. Reported per
 framework: seconds per step and tokens per second over steps 3..N (the first two pay for start-up),
 trajectory tokens per step (prompt + completion, tool results included), peak memory, the training
 success rate of the last 5 steps, and the held-out success after the last step, measured for both by
-the same evaluator (train.evaluate: 128 held-out seeds, sampled at temperature 1).
+the same evaluator (train.evaluate_held_out: 128 held-out seeds, sampled at temperature 1).
 """
 
 import argparse
@@ -63,7 +63,8 @@ def bench_flags(seed):
 
 def held_out_success(model, tokenizer, args):
     """train.py's evaluation of `model`: the same seeds, sampler and settings for both frameworks."""
-    return train.evaluate(TorchSampler(model, batch_size=32), tokenizer, args, rank=0, world_size=1)["eval_success"]
+    sampler = TorchSampler(model, batch_size=32)
+    return train.evaluate_held_out(sampler, tokenizer, args, rank=0, world_size=1)["eval_success"]
 
 
 def run_nanoagent(steps, seed):

@@ -56,8 +56,8 @@ def main():
         tokenizer = tiny_tokenizer()
         tiny_model(tokenizer, **QWEN25_05B_SHAPE).save_pretrained(model_dir)
         tokenizer.save_pretrained(model_dir)
-        bench = [sys.executable, "bench/bench_train.py", "--device", "cuda", "--model", model_dir, "--warmup_steps", "0",
-                 *(["--peak_tflops", str(cli.peak_tflops)] if cli.peak_tflops else [])]
+        bench = [sys.executable, "bench/bench_train.py", "--device", "cuda", "--model", model_dir,
+                 "--warmup_steps", "0", *(["--peak_tflops", str(cli.peak_tflops)] if cli.peak_tflops else [])]
         run(bench)
         if importlib.util.find_spec("vllm") is not None:
             run(bench + ["--sampler", "vllm"])
@@ -69,9 +69,11 @@ def main():
                 "--activation_checkpointing", "--eval_every", "0", "--save_every", "2", "--out_dir", out_dir]
         run(fsdp + ["--steps", "2"])
         run(fsdp + ["--steps", "3", "--resume"])
-        run([sys.executable, "-c", "import sys, transformers; model = transformers.AutoModelForCausalLM.from_pretrained(sys.argv[1]); "
-             "assert model.lm_head.weight.data_ptr() == model.model.embed_tokens.weight.data_ptr(); print('HF checkpoint loads, tie restored')",
-             f"{out_dir}/step_000003"])
+        load_and_check_the_tie = (
+            "import sys, transformers; model = transformers.AutoModelForCausalLM.from_pretrained(sys.argv[1]); "
+            "assert model.lm_head.weight.data_ptr() == model.model.embed_tokens.weight.data_ptr(); "
+            "print('HF checkpoint loads, tie restored')")
+        run([sys.executable, "-c", load_and_check_the_tie, f"{out_dir}/step_000003"])
 
 
 if __name__ == "__main__":

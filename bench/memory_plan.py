@@ -1,7 +1,8 @@
 """
 Memory planner: per-GPU memory of a train.py run, by part, before renting the GPUs.
 
-    python bench/memory_plan.py --model Qwen/Qwen2.5-3B-Instruct --algo ppo --gpus 8 --gpu_memory_gb 80 --vllm_memory 0.3
+    python bench/memory_plan.py --model Qwen/Qwen2.5-3B-Instruct --algo ppo --gpus 8 --gpu_memory_gb 80 \
+        --vllm_memory 0.3
     python bench/memory_plan.py --model runs/default/step_000100 --algo grpo --gpus 1 --activation_checkpointing
     python bench/memory_plan.py --table          # the README's table: Qwen2.5 0.5B..7B x GRPO/PPO x 1/8 GPUs
     python bench/memory_plan.py --measure tiny   # planned against measured tensor sizes on this CPU
@@ -47,8 +48,9 @@ def model_shape(name_or_dir):
     assert config_file.exists(), (f"{name_or_dir!r} is neither a local model directory nor one of {sorted(QWEN25)}: "
                                   "download its config.json (or the model) first")
     c = json.loads(config_file.read_text())
-    return (c["hidden_size"], c["num_hidden_layers"], c["num_attention_heads"], c.get("num_key_value_heads", c["num_attention_heads"]),
-            c["intermediate_size"], c["vocab_size"], c.get("tie_word_embeddings", False))
+    return (c["hidden_size"], c["num_hidden_layers"], c["num_attention_heads"],
+            c.get("num_key_value_heads", c["num_attention_heads"]), c["intermediate_size"], c["vocab_size"],
+            c.get("tie_word_embeddings", False))
 
 
 def parameter_counts(shape):
@@ -83,7 +85,8 @@ def plan(shape, algo, gpus, tokens_per_gpu, kept_tokens_per_gpu, kl=False, check
     a plain single CPU process (no FSDP group gathered beside the parameters)."""
     policy, critic, layer = parameter_counts(shape)
     vocab, hidden = shape[5], shape[0]
-    largest_group = max(layer, vocab * hidden * (1 if shape[6] else 2) + hidden) if sharded else 0  # a layer, or the root
+    # The largest FSDP group, gathered whole for its forward: a layer, or the root.
+    largest_group = max(layer, vocab * hidden * (1 if shape[6] else 2) + hidden) if sharded else 0
     parts = {
         "parameters": 4 * policy / gpus + compute_bytes * largest_group,
         "gradients": 4 * policy / gpus,
@@ -131,7 +134,8 @@ def measure(shape, tokens, kept_tokens):
     saved = {}
 
     def pack(tensor):
-        if tensor.device.type != "meta" and not isinstance(tensor, torch.nn.Parameter) and tensor.untyped_storage().size():
+        is_activation = tensor.device.type != "meta" and not isinstance(tensor, torch.nn.Parameter)
+        if is_activation and tensor.untyped_storage().size():
             saved[tensor.untyped_storage().data_ptr()] = tensor.untyped_storage().nbytes()
         return tensor
     parameters = {id(p): p for p in model.parameters()}
@@ -144,17 +148,20 @@ def measure(shape, tokens, kept_tokens):
     optimizer.step()
     return {"parameters": sum(p.numel() * p.element_size() for p in parameters.values()),
             "gradients": sum(p.grad.numel() * p.grad.element_size() for p in parameters.values()),
-            "optimizer": sum(t.numel() * t.element_size() for s in optimizer.state.values() for t in s.values() if t.dim()),
+            "optimizer": sum(t.numel() * t.element_size()
+                             for s in optimizer.state.values() for t in s.values() if t.dim()),
             "activations + logits": sum(saved.values())}
 
 
 def main():
     parser = argparse.ArgumentParser(description="Per-GPU memory of a train.py run, by part")
-    parser.add_argument("--model", default="Qwen/Qwen2.5-3B-Instruct", help="a local model directory or a Qwen2.5 instruct name")
+    parser.add_argument("--model", default="Qwen/Qwen2.5-3B-Instruct",
+                        help="a local model directory or a Qwen2.5 instruct name")
     parser.add_argument("--algo", default="grpo", choices=["grpo", "ppo", "reinforce_pp"])
     parser.add_argument("--gpus", type=int, default=8)
     parser.add_argument("--gpu_memory_gb", type=float, default=80.0)
-    parser.add_argument("--vllm_memory", type=float, default=0.3, help="vLLM's gpu_memory_utilization (0: TorchSampler)")
+    parser.add_argument("--vllm_memory", type=float, default=0.3,
+                        help="vLLM's gpu_memory_utilization (0: TorchSampler)")
     parser.add_argument("--prompts_per_step", type=int, default=8)
     parser.add_argument("--group_size", type=int, default=8)
     parser.add_argument("--minibatch_size", type=int, default=None, help="trajectories per update (default: all)")
@@ -167,9 +174,9 @@ def main():
     args = parser.parse_args()
     if args.measure:
         from nanoagent.models import TINY_SHAPE
-        shape = ((TINY_SHAPE["hidden_size"], TINY_SHAPE["num_hidden_layers"], TINY_SHAPE["num_attention_heads"],
-                  TINY_SHAPE["num_key_value_heads"], TINY_SHAPE["intermediate_size"], 1024, True) if args.measure == "tiny"
-                 else (512, 4, 8, 2, 1376, 16384, False))
+        tiny = (TINY_SHAPE["hidden_size"], TINY_SHAPE["num_hidden_layers"], TINY_SHAPE["num_attention_heads"],
+                TINY_SHAPE["num_key_value_heads"], TINY_SHAPE["intermediate_size"], 1024, True)
+        shape = tiny if args.measure == "tiny" else (512, 4, 8, 2, 1376, 16384, False)
         tokens, kept = 1024, 256
         planned = plan(shape, "grpo", 1, tokens, kept, compute_bytes=4, sharded=False)
         planned["activations + logits"] = planned.pop("activations") + planned.pop("logits")
@@ -179,25 +186,30 @@ def main():
             print(f"{part:<22}{planned[part] / 2 ** 20:>12.2f}{value / 2 ** 20:>14.2f}")
         return
     if args.table:
-        print("| model | algo | GPUs | params+grads+optim | critic | activations | logits | vLLM | total | fits 80 GB |")
+        print("| model | algo | GPUs | params+grads+optim | critic | activations | logits | vLLM | total "
+              "| fits 80 GB |")
         print("|---|---|---|---|---|---|---|---|---|---|")
         for name in QWEN25:
             for algo in ("grpo", "ppo"):
                 for gpus in (1, 8):
                     tokens = 8 * 4096  # a minibatch of 8 trajectories x 4096 tokens per GPU (--minibatch_size 8 x GPUs)
-                    parts = plan(model_shape(name), algo, gpus, tokens, tokens // 4, checkpointing=True, vllm_memory=0.3)
+                    parts = plan(model_shape(name), algo, gpus, tokens, tokens // 4, checkpointing=True,
+                                 vllm_memory=0.3)
                     total = sum(parts.values())
                     model_state = parts["parameters"] + parts["gradients"] + parts["optimizer"]
-                    print(f"| {name.split('/')[1].removesuffix('-Instruct')} | {algo} | {gpus} | {model_state / GiB:.1f} | "
-                          f"{parts['critic'] / GiB:.1f} | {parts['activations'] / GiB:.1f} | {parts['logits'] / GiB:.1f} | "
-                          f"{parts['vLLM'] / GiB:.1f} | {total / GiB:.1f} | {'yes' if total <= 80 * GiB else 'no'} |")
+                    short_name = name.split('/')[1].removesuffix('-Instruct')
+                    print(f"| {short_name} | {algo} | {gpus} | {model_state / GiB:.1f} | "
+                          f"{parts['critic'] / GiB:.1f} | {parts['activations'] / GiB:.1f} | "
+                          f"{parts['logits'] / GiB:.1f} | {parts['vLLM'] / GiB:.1f} | {total / GiB:.1f} | "
+                          f"{'yes' if total <= 80 * GiB else 'no'} |")
         return
     trajectories = args.minibatch_size or args.prompts_per_step * args.group_size
     rows_per_gpu = math.ceil(trajectories / args.gpus)
     parts = plan(model_shape(args.model), args.algo, args.gpus, rows_per_gpu * args.max_total_tokens,
                  rows_per_gpu * args.agent_tokens, kl=args.kl, checkpointing=args.activation_checkpointing,
                  gpu_memory_gb=args.gpu_memory_gb, vllm_memory=args.vllm_memory)
-    print(f"{args.model}, {args.algo}, {args.gpus} GPU(s), {rows_per_gpu} trajectories x {args.max_total_tokens} tokens per GPU")
+    print(f"{args.model}, {args.algo}, {args.gpus} GPU(s), "
+          f"{rows_per_gpu} trajectories x {args.max_total_tokens} tokens per GPU")
     for part, value in parts.items():
         print(f"  {part:<12}{value / GiB:8.2f} GiB")
     print(advice(parts, args.gpu_memory_gb))

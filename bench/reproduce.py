@@ -1,6 +1,7 @@
 """
 Reproduce the papers' findings at laptop scale: Agent-R1's table, RAGEN's Echo Trap and rollout shaping, and
-the action-mask ablation, on the tiny model, on CPU. One command per study (README, "Reproducing the papers"):
+the action-mask ablation, on the tiny model, on CPU. One command per study (docs/results.md, "Reproducing the
+papers"):
 
     python bench/reproduce.py agent_r1        # GRPO / PPO / REINFORCE++ vs Base Tool Call, Naive RAG, No Retrieval
     python bench/reproduce.py echo_trap       # vanilla GRPO and PPO vs StarPO-S and --on_echo_trap stabilize
@@ -132,7 +133,8 @@ def plot_curves(path, curves, keys, mark_warnings=False):
                           label=method if seed == 0 else None)
                 if mark_warnings:
                     warned = [h for h in steps if h.get("echo_trap_warnings")]
-                    axis.plot([h["step"] for h in warned], [h[key] for h in warned], "x", color=f"C{colour}", markersize=4)
+                    axis.plot([h["step"] for h in warned], [h[key] for h in warned], "x", color=f"C{colour}",
+                              markersize=4)
         axis.set_title(key)
         axis.set_xlabel("step")
     axes[0][0].legend(fontsize=7)
@@ -149,13 +151,14 @@ def agent_r1(out, seeds, steps, episodes):
         env_flags = ["--model", model, "--env_options", json.dumps(options)]
         def scores(checkpoint, setting="tools"):  # sampled, as in training, and greedy
             return {**held_out(checkpoint, "synthetic_qa", options, episodes, setting),
-                    "greedy_em": held_out(checkpoint, "synthetic_qa", options, episodes, setting, temperature=0.0)["em"]}
+                    "greedy_em": held_out(checkpoint, "synthetic_qa", options, episodes, setting,
+                                          temperature=0.0)["em"]}
         table = [("Base Tool Call (warmed up, before RL)", scores(model)), ("Naive RAG", scores(model, "naive_rag")),
                  ("No Retrieval", scores(model, "no_retrieval"))]
         curves = {}
         for algo, paper_name in (("grpo", "GRPO"), ("ppo", "PPO"), ("reinforce_pp", "REINFORCE++")):
-            runs = [run(out, f"agent_r1-{label.replace(' ', '')}-{algo}", env_flags + ["--algo", algo, "--eval_every", "0"],
-                        seed, steps) for seed in seeds]
+            runs = [run(out, f"agent_r1-{label.replace(' ', '')}-{algo}",
+                        env_flags + ["--algo", algo, "--eval_every", "0"], seed, steps) for seed in seeds]
             table.append((paper_name, [scores(r["checkpoint"]) for r in runs]))
             curves[paper_name] = [r["history"] for r in runs]
         results[label] = {name: score for name, score in table}
@@ -189,18 +192,21 @@ def echo_trap(out, seeds, steps, episodes):
         histories = [r["history"] for r in runs]
         curves[method] = histories
         collapses = [collapse_step(history) for history in histories]
-        first_warnings = [next((h["step"] for h in history if h.get("echo_trap_warnings")), None) for history in histories]
+        first_warnings = [next((h["step"] for h in history if h.get("echo_trap_warnings")), None)
+                          for history in histories]
         last = [statistics.fmean(training_success(history)[-10:]) for history in histories]
         finals = [held_out(r["checkpoint"], "synthetic_qa", {}, episodes)["success"] for r in runs]
         results[method] = {"collapse_step": collapses, "first_warning": first_warnings, "last_10_steps_success": last,
                            "held_out_success": finals}
         rows.append((method, spread(finals), spread(last), ", ".join(str(c) if c else "none" for c in collapses),
                      ", ".join(str(w) if w else "none" for w in first_warnings)))
-    plot_curves(out / "echo_trap.png", curves, ["success", "group_reward_std", "entropy", "grad_norm"], mark_warnings=True)
+    plot_curves(out / "echo_trap.png", curves, ["success", "group_reward_std", "entropy", "grad_norm"],
+                mark_warnings=True)
     write_table(out / "table.md", f"Echo Trap on synthetic QA: {steps} steps of 8 prompts x 8, 4 updates of 16 a step, "
                 f"{len(seeds)} seeds", ["method", "held-out success", "training success, last 10 steps",
                                        "collapse step per seed", "first monitor warning per seed"], rows,
-                [RAGEN_COLLAPSE, "collapse: the 5-step training success falls below half its best (once that reached 0.2)"])
+                [RAGEN_COLLAPSE,
+                 "collapse: the 5-step training success falls below half its best (once that reached 0.2)"])
     return results
 
 
@@ -235,20 +241,23 @@ def mask_ablation(out, seeds, steps, episodes):
     """The action mask: GRPO's loss on the agent's tokens only (the default), or on every token."""
     model = warm_model()
     rows, results, curves = [], {}, {}
-    for name, flags in (("agent tokens only (action mask)", []), ("every token (--no_action_mask)", ["--no_action_mask"])):
-        runs = [run(out, "mask-" + ("off" if flags else "on"), ["--model", model, "--eval_every", "0", *flags], seed, steps)
-                for seed in seeds]
+    for name, flags in (("agent tokens only (action mask)", []),
+                        ("every token (--no_action_mask)", ["--no_action_mask"])):
+        runs = [run(out, "mask-" + ("off" if flags else "on"), ["--model", model, "--eval_every", "0", *flags],
+                    seed, steps) for seed in seeds]
         scores = [held_out(r["checkpoint"], "synthetic_qa", {}, episodes) for r in runs]
         curves[name] = [r["history"] for r in runs]
         results[name] = scores
         rows.append((name, spread([s["em"] for s in scores]), spread([s["f1"] for s in scores])))
     plot_curves(out / "mask_ablation.png", curves, ["success", "entropy"])
     write_table(out / "table.md", f"Action-mask ablation (GRPO, synthetic QA, {steps} steps, {len(seeds)} seeds)",
-                ["loss on", "EM", "F1"], rows, ["Agent-R1 and Search-R1: masking the environment's tokens is what makes it train"])
+                ["loss on", "EM", "F1"], rows,
+                ["Agent-R1 and Search-R1: masking the environment's tokens is what makes it train"])
     return results
 
 
-STUDIES = {"agent_r1": (agent_r1, 40), "echo_trap": (echo_trap, 60), "shaping": (shaping, 40), "mask_ablation": (mask_ablation, 40)}
+STUDIES = {"agent_r1": (agent_r1, 40), "echo_trap": (echo_trap, 60), "shaping": (shaping, 40),
+           "mask_ablation": (mask_ablation, 40)}
 
 
 def main(argv=None):
@@ -259,7 +268,8 @@ def main(argv=None):
     parser.add_argument("--steps", type=int, default=None, help="RL steps per run (default: the study's own)")
     parser.add_argument("--episodes", type=int, default=256, help="held-out episodes per evaluation")
     parser.add_argument("--out", default="runs/reproduce")
-    parser.add_argument("--quick", action="store_true", help="1 seed, 2 steps, 8 episodes: the pipeline, not the findings")
+    parser.add_argument("--quick", action="store_true",
+                        help="1 seed, 2 steps, 8 episodes: the pipeline, not the findings")
     args = parser.parse_args(argv)
     global EVALUATIONS
     EVALUATIONS = Path(args.out) / "evaluations.json"

@@ -6,21 +6,16 @@
         optimizer/            the optimizers' states, sharded as in training (torch.distributed.checkpoint)
         trainer_state.pt      step, RNG states, metrics history: the rest of what an exact resume needs
         manifest.json         every file above with its size, written last: the mark of a complete checkpoint
-      latest                  a one-line text file naming the newest complete step directory
 
 The policy directory is an ordinary HF checkpoint, so `eval.py --model out_dir/step_000100` and vLLM load
-it directly. Under FSDP its weights are gathered one parameter at a time and rank 0 writes them; every
-rank writes its own optimizer shards through torch.distributed.checkpoint, which loads them back on
-another number of ranks (or into a single unsharded process). A save writes into a temporary directory, flushes it to disk, and only then renames it into
-place and points `latest` at it: a process killed mid-save (or a full disk) leaves the earlier
-checkpoints as they were. On resume, `latest_checkpoint` checks each directory against its manifest,
-newest first, and skips (with a warning) one that is partial or corrupted.
+it directly; the optimizer shards load back on another number of ranks (or into one unsharded process).
+A save goes to a temporary directory, is flushed to disk, and only then is renamed into place, so a process
+killed mid-save (or a full disk) leaves the earlier checkpoints as they were.
 """
 
 import contextlib
 import json
 import os
-import random
 import shutil
 import tempfile
 import warnings
@@ -38,8 +33,7 @@ MANIFEST = "manifest.json"
 
 
 def fsync_tree(directory):
-    """Flush every file under `directory`, and the directories themselves, to disk (a rename is durable
-    only after the data it points to is)."""
+    """Flush every file and directory under `directory` to disk: a rename is durable only once its data is."""
     for root, _, files in os.walk(directory):
         for name in files:
             with open(os.path.join(root, name), "rb") as handle:
@@ -50,11 +44,8 @@ def fsync_tree(directory):
 
 
 def save_atomically(path, save_fn, all_ranks=False):
-    """Call save_fn(tmp_dir) on a temporary sibling of `path`, flush it, then rename it to `path`.
-
-    all_ranks: every rank calls this together and save_fn runs on each rank (into the one temporary
-    directory rank 0 made); rank 0 renames it once all ranks are done.
-    """
+    """Call save_fn(tmp_dir) on a temporary sibling of `path`, flush it, then rename it to `path`. all_ranks:
+    every rank calls this and runs save_fn, into the one directory rank 0 made; rank 0 renames it at the end."""
     path = Path(path)
     collective = all_ranks and is_sharded()
     master = not collective or dist.get_rank() == 0
@@ -83,42 +74,17 @@ def save_atomically(path, save_fn, all_ranks=False):
     return path
 
 
-def rng_state():
-    """Python's and torch's RNG states, so a resumed run draws the same numbers as an unbroken one."""
-    return {"python": random.getstate(), "torch": torch.get_rng_state(),
-            "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None}
-
-
-def set_rng_state(state):
-    """Restore what rng_state() captured."""
-    random.setstate(state["python"])
-    torch.set_rng_state(state["torch"])
-    if state["cuda"] is not None and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
-
-
 def file_sizes(directory):
-    """{relative path: size in bytes} of every file under directory, the manifest excepted."""
+    """{relative path: size in bytes} of every file under directory but the manifest."""
     directory = Path(directory)
     return {str(path.relative_to(directory)): path.stat().st_size
             for path in sorted(directory.rglob("*")) if path.is_file() and path.name != MANIFEST}
 
 
-def save_pretrained_from(model, directory, state_dict):
-    """model.save_pretrained with the given full state dict, under the model's own HF class name (FSDP
-    renames the class of a module it shards to FSDP<name>, and config.json must name the real one)."""
-    architecture = type(model).__name__.removeprefix("FSDP")
-    model.save_pretrained(directory, state_dict=state_dict)
-    config_file = Path(directory) / "config.json"
-    config_file.write_text(config_file.read_text().replace(f'"{type(model).__name__}"', f'"{architecture}"'))
-
-
 def save_checkpoint(out_dir, step, policy, tokenizer, trainer_state, critic=None, optimizers=None):
-    """Write out_dir/step_{step:06d} (policy, tokenizer, optional critic, optimizers, trainer_state, manifest)
-    and point `latest` at it. Under a process group every rank calls it (the gathers and the optimizer
-    shards are collective); rank 0 writes the HF files, trainer_state and the manifest. optimizers:
-    {name: (model, optimizer)}. A failed write (a full disk) leaves every earlier checkpoint intact and
-    raises UserError."""
+    """Write out_dir/step_{step:06d} as the module docstring lays it out; returns its path. optimizers:
+    {name: (model, optimizer)}. Under a process group every rank calls it (the gathers and the optimizer
+    shards are collective). A failed write (a full disk) raises UserError."""
     out_dir = Path(out_dir)
     master = not is_sharded() or dist.get_rank() == 0
 
@@ -126,12 +92,16 @@ def save_checkpoint(out_dir, step, policy, tokenizer, trainer_state, critic=None
         for model, subdirectory in ((policy, directory), (critic, directory / "critic")):
             if model is not None:
                 state_dict = full_state_dict(model)  # every rank takes part; rank 0 holds the result
-                if master:
-                    save_pretrained_from(model, subdirectory, state_dict)
+                if master:  # FSDP renames a class it shards to FSDP<name>; config.json must name the real one
+                    model.save_pretrained(subdirectory, state_dict=state_dict)
+                    name, config_file = type(model).__name__, subdirectory / "config.json"
+                    config = config_file.read_text().replace(f'"{name}"', f'"{name.removeprefix("FSDP")}"')
+                    config_file.write_text(config)
         if optimizers:  # collective: when it returns, every rank's shards are written
             with single_process_quiet():
-                dcp.save({name: get_optimizer_state_dict(model, optimizer) for name, (model, optimizer) in optimizers.items()},
-                         checkpoint_id=directory / "optimizer", no_dist=not is_sharded())
+                states = {name: get_optimizer_state_dict(model, optimizer)
+                          for name, (model, optimizer) in optimizers.items()}
+                dcp.save(states, checkpoint_id=directory / "optimizer", no_dist=not is_sharded())
         if master:
             tokenizer.save_pretrained(directory)
             torch.save(trainer_state, directory / "trainer_state.pt")
@@ -139,16 +109,13 @@ def save_checkpoint(out_dir, step, policy, tokenizer, trainer_state, critic=None
 
     try:
         path = save_atomically(out_dir / f"step_{step:06d}", save, all_ranks=True)
-        if master:
-            latest_tmp = out_dir / ".latest.tmp"
-            latest_tmp.write_text(path.name + "\n")
-            os.replace(latest_tmp, out_dir / "latest")  # atomic on POSIX: readers see the old or the new name
         if is_sharded():
-            dist.barrier()  # no rank goes on (or reads `latest`) before it names this step
+            dist.barrier()  # no rank goes on before this step's checkpoint is in place
     except OSError as error:
         previous = latest_checkpoint(out_dir)
-        raise UserError(f"could not write the checkpoint of step {step} in {out_dir} ({error}); "
-                        f"{'the newest complete checkpoint, ' + previous.name + ', is intact' if previous else 'no earlier checkpoint exists'}: "
+        intact = (f"the newest complete checkpoint, {previous.name}, is intact" if previous
+                  else "no earlier checkpoint exists")
+        raise UserError(f"could not write the checkpoint of step {step} in {out_dir} ({error}); {intact}: "
                         "make room (or fix the directory) and continue with --resume") from error
     return path
 
@@ -156,7 +123,7 @@ def save_checkpoint(out_dir, step, policy, tokenizer, trainer_state, critic=None
 @contextlib.contextmanager
 def single_process_quiet():
     """Silence torch.distributed.checkpoint's warning that no process group is up: without torchrun that is
-    the plan (no_dist=True), not a mistake, and it would print at every checkpoint."""
+    the plan (no_dist=True), and it would print at every checkpoint."""
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
         yield
@@ -164,10 +131,10 @@ def single_process_quiet():
 
 def load_optimizers(path, optimizers):
     """Restore the optimizers saved with a checkpoint, resharded to this run's ranks (any number of them).
-    optimizers: {name: (model, optimizer)} as given to save_checkpoint, the models already sharded."""
+    optimizers: {name: (model, optimizer)} as for save_checkpoint, the models already sharded."""
     state = {name: get_optimizer_state_dict(model, optimizer) for name, (model, optimizer) in optimizers.items()}
     with single_process_quiet():
-        dcp.load(state, checkpoint_id=Path(path) / "optimizer", no_dist=not is_sharded())  # in place, into this run's shards
+        dcp.load(state, checkpoint_id=Path(path) / "optimizer", no_dist=not is_sharded())  # in place, into the shards
     for name, (model, optimizer) in optimizers.items():
         set_optimizer_state_dict(model, optimizer, state[name])
 
@@ -191,13 +158,9 @@ def checkpoint_problem(path):
 
 
 def latest_checkpoint(out_dir):
-    """The newest complete checkpoint directory in out_dir, or None if there is none.
-
-    Every step_* directory is a candidate, newest first: a partial or corrupted one (a crash, a disk
-    error, a hand edit) is reported and skipped, and the one before it is used.
-    """
-    candidates = sorted(Path(out_dir).glob("step_*"), key=lambda path: path.name, reverse=True)
-    for path in candidates:
+    """The newest complete step_* directory in out_dir, or None; a partial or corrupted one (a crash, a disk
+    error, a hand edit) is reported and skipped."""
+    for path in sorted(Path(out_dir).glob("step_*"), key=lambda path: path.name, reverse=True):
         problem = checkpoint_problem(path)
         if problem is None:
             return path

@@ -1,18 +1,10 @@
-"""The few helpers every nanoagent script needs: process setup, seeding, printing, shutdown.
+"""The few helpers every nanoagent script needs: process setup, seeding and RNG state, printing, shutdown.
 
 A script calls `compute_init()` once at the top and `compute_cleanup()` once at the end, and reports
-bad input by raising `UserError`:
-
-    ddp, rank, local_rank, world_size, device = compute_init()
-    ...
-    compute_cleanup()
-
-Run plainly (`python train.py`) it is a single process on the best device it can find. Run under
-torchrun (`torchrun --nproc_per_node=8 train.py`) it reads the environment torchrun sets (RANK,
-LOCAL_RANK, WORLD_SIZE, MASTER_ADDR/PORT) and joins the process group: NCCL when every rank owns a
-GPU, gloo on CPU, so the same script is tested with 2 CPU processes on a laptop and runs on 8 GPUs
-per node (and on several nodes with torchrun's --nnodes) unchanged. A single GPU without torchrun gets a
-1-rank group, so that every GPU run shards its models the same way (nanoagent/parallel.py).
+bad input by raising `UserError`. Run plainly (`python train.py`) it is one process on the best device;
+under torchrun (`torchrun --nproc_per_node=8 train.py`) it joins the process group (NCCL on GPUs, gloo
+on CPU), so the same script is tested with 2 CPU processes on a laptop and runs on 8 GPUs per node (and
+on several nodes with torchrun's --nnodes) unchanged.
 """
 
 import os
@@ -40,11 +32,8 @@ def autodetect_device_type():
 
 
 def autodetect_dtype(device_type):
-    """bf16 on GPUs that support it (the dtype Qwen2.5 ships in), float32 everywhere else.
-
-    float32 on CPU is a deliberate choice: the tests compare log-probs to 1e-4, and CPU bf16 matmuls
-    are neither faster nor exact enough for that.
-    """
+    """bf16 on GPUs that support it (the dtype Qwen2.5 ships in), float32 everywhere else: on CPU, bf16
+    matmuls are neither faster nor exact enough for tests that compare log-probs to 1e-4."""
     if device_type == "cuda" and torch.cuda.is_bf16_supported():
         return torch.bfloat16
     return torch.float32
@@ -52,10 +41,24 @@ def autodetect_dtype(device_type):
 
 def seed_everything(seed, rank=0):
     """Seed python, torch (CPU and CUDA) so each rank draws a different, reproducible stream."""
-    seed = seed + rank  # different ranks must not sample identical rollouts
+    seed = seed + rank
     random.seed(seed)
     torch.manual_seed(seed)  # also seeds every CUDA device
     return seed
+
+
+def rng_state():
+    """Python's and torch's RNG states, so a resumed run draws the same numbers as an unbroken one."""
+    return {"python": random.getstate(), "torch": torch.get_rng_state(),
+            "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None}
+
+
+def set_rng_state(state):
+    """Restore what rng_state() captured."""
+    random.setstate(state["python"])
+    torch.set_rng_state(state["torch"])
+    if state["cuda"] is not None and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
 
 
 def print0(*args, **kwargs):
@@ -65,17 +68,13 @@ def print0(*args, **kwargs):
 
 
 def compute_init(device_type=None):
-    """Set up this process: returns (ddp, rank, local_rank, world_size, device).
-
-    device_type is 'cuda' or 'cpu' (None: autodetect). Under torchrun the process group is started
-    here; every rank on CUDA is pinned to the GPU with its local rank.
-    """
+    """Set up this process (see above); returns (ddp, rank, local_rank, world_size, device).
+    device_type: 'cuda', 'cpu' or None (autodetect). On CUDA each rank is pinned to its local rank's GPU."""
     device_type = device_type or autodetect_device_type()
     assert device_type in ("cuda", "cpu"), f"unsupported device type {device_type!r}: use 'cuda' or 'cpu'"
-    if device_type == "cuda":
-        assert torch.cuda.is_available(), "device 'cuda' requested but torch sees no GPU (use --device cpu)"
     ddp, rank, local_rank, world_size = get_dist_info()
     if device_type == "cuda":
+        assert torch.cuda.is_available(), "device 'cuda' requested but torch sees no GPU (use --device cpu)"
         device = torch.device("cuda", local_rank)
         torch.cuda.set_device(device)  # NCCL needs to know which GPU this rank owns before init
         torch.backends.cuda.matmul.allow_tf32 = True

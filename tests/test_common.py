@@ -1,13 +1,14 @@
 """nanoagent/common.py: single-process setup, and a real 2-process torchrun run on CPU with gloo."""
 
 import os
+import random
 import subprocess
 import sys
 import textwrap
 
 import torch
 
-from nanoagent.common import compute_cleanup, compute_init, get_dist_info, seed_everything
+from nanoagent.common import compute_cleanup, compute_init, get_dist_info, rng_state, seed_everything, set_rng_state
 
 
 def test_single_process_without_torchrun(monkeypatch):
@@ -26,6 +27,13 @@ def test_seeding_differs_per_rank_and_repeats():
     b = torch.rand(3)
     seed_everything(7, rank=0)
     assert torch.equal(a, torch.rand(3)) and not torch.equal(a, b)
+
+
+def test_restored_rng_state_draws_the_same_numbers_again():
+    state = rng_state()
+    first = (random.random(), torch.rand(3))
+    set_rng_state(state)
+    assert random.random() == first[0] and torch.equal(torch.rand(3), first[1])
 
 
 def test_torchrun_two_processes_gloo_all_reduce(tmp_path):

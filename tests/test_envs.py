@@ -220,21 +220,28 @@ def test_loaders_read_the_shipped_samples():
     hotpot = envs.load_qa_dataset(str(DATA / "hotpotqa_sample.jsonl"), split="all")
     assert len(hotpot) == 2
     assert hotpot[0] == {
-        "id": "hp-sample-1", "question": "Which river flows through the capital of Austria?", "answers": ["Danube"],
+        "id": "hp-sample-1", "question": "Which river flows through the capital of Austria?",
+        "answers": ["Danube"],
         "paragraphs": [
-            {"title": "Austria", "text": "Austria is a landlocked country in Central Europe. Its capital and largest city is Vienna."},
-            {"title": "Vienna", "text": "Vienna is the largest city of Austria. The city lies on both banks of the Danube."},
+            {"title": "Austria",
+             "text": "Austria is a landlocked country in Central Europe. Its capital and largest city is Vienna."},
+            {"title": "Vienna",
+             "text": "Vienna is the largest city of Austria. The city lies on both banks of the Danube."},
             {"title": "Budapest", "text": "Budapest is the capital of Hungary. It is also built on the Danube."},
-            {"title": "Rhine", "text": "The Rhine is a river that rises in the Swiss Alps. It flows into the North Sea."}],
+            {"title": "Rhine",
+             "text": "The Rhine is a river that rises in the Swiss Alps. It flows into the North Sea."}],
         "supporting_titles": ["Austria", "Vienna"]}
     wiki = envs.load_qa_dataset(str(DATA / "2wikimultihopqa_sample.json"), split="all")
     assert [row["id"] for row in wiki] == ["2wiki-sample-1", "2wiki-sample-2"]
     assert wiki[0]["answers"] == ["Greta Marten"] and wiki[0]["supporting_titles"] == ["Quiet Harbour", "Ilse Marten"]
-    assert wiki[0]["paragraphs"][0] == {"title": "Quiet Harbour", "text": "Quiet Harbour is a 1961 drama film. It was directed by Ilse Marten."}
+    assert wiki[0]["paragraphs"][0] == {
+        "title": "Quiet Harbour", "text": "Quiet Harbour is a 1961 drama film. It was directed by Ilse Marten."}
     musique = envs.load_qa_dataset(str(DATA / "musique_sample.jsonl"), split="all", limit=1)
     assert len(musique) == 1
-    assert musique[0]["answers"] == ["Peruvian sol", "sol", "PEN"] and musique[0]["supporting_titles"] == ["Puno", "Peru"]
-    assert musique[0]["paragraphs"][2] == {"title": "Bolivia", "text": "Bolivia shares Lake Titicaca with Peru. Its currency is the boliviano."}
+    assert musique[0]["answers"] == ["Peruvian sol", "sol", "PEN"]
+    assert musique[0]["supporting_titles"] == ["Puno", "Peru"]
+    assert musique[0]["paragraphs"][2] == {
+        "title": "Bolivia", "text": "Bolivia shares Lake Titicaca with Peru. Its currency is the boliviano."}
 
 
 def test_parquet_and_dict_layout_2wiki_rows(tmp_path):
@@ -244,7 +251,8 @@ def test_parquet_and_dict_layout_2wiki_rows(tmp_path):
     assert envs.load_qa_dataset(str(path)) == envs.load_qa_dataset(str(DATA / "hotpotqa_sample.jsonl"))
     hf_2wiki_row = {"_id": "x", "question": "Q?", "answer": "A", "type": "comparison",
                     "context": {"title": ["T1", "T2"], "content": [["One.", "Two."], ["Three."]]},
-                    "supporting_facts": {"title": ["T2"], "sent_id": [0]}, "evidences": {"fact": [], "relation": [], "entity": []}}
+                    "supporting_facts": {"title": ["T2"], "sent_id": [0]},
+                    "evidences": {"fact": [], "relation": [], "entity": []}}
     assert envs.normalize_qa_row(hf_2wiki_row) == {
         "id": "x", "question": "Q?", "answers": ["A"], "supporting_titles": ["T2"],
         "paragraphs": [{"title": "T1", "text": "One. Two."}, {"title": "T2", "text": "Three."}]}
@@ -253,7 +261,8 @@ def test_parquet_and_dict_layout_2wiki_rows(tmp_path):
 def write_rows(path, count, drop=None):
     """A local HotpotQA-style file of `count` rows; row 3 lacks the field `drop`."""
     rows = [{"id": f"q{index}", "question": f"Question {index}?", "answer": f"A{index}",
-             "context": [[f"T{index}", [f"Text {index}."]]], "supporting_facts": [[f"T{index}", 0]]} for index in range(count)]
+             "context": [[f"T{index}", [f"Text {index}."]]], "supporting_facts": [[f"T{index}", 0]]}
+            for index in range(count)]
     if drop:
         del rows[3][drop]
     path.write_text("".join(json.dumps(row) + "\n" for row in rows))
@@ -313,11 +322,13 @@ def test_search_qa_from_a_path_with_a_shared_corpus():
     rows = envs.load_qa_dataset(str(DATA / "2wikimultihopqa_sample.json"), split="all")
     corpus = envs.corpus_from_rows(rows)
     assert len(corpus) == 3  # the two rows share the two Harbour paragraphs
-    env = envs.SearchQAEnv(str(DATA / "2wikimultihopqa_sample.json"), split="all", search=tools.search_tool(corpus, top_k=1))
+    env = envs.SearchQAEnv(str(DATA / "2wikimultihopqa_sample.json"), split="all",
+                           search=tools.search_tool(corpus, top_k=1))
     env.reset(0)
     assert "Ilse Marten" in env.step(search_call("director of Quiet Harbour")).observations[0]["content"]
     result = env.step("<answer>Greta</answer>")
     assert result.info["em"] == 0.0 and result.info["f1"] == pytest.approx(2 / 3) and result.reward == 0.0
+
 
 def test_search_qa_over_a_saved_index_or_a_server_shares_one_tool_and_steps_in_one_batch(tmp_path):
     from nanoagent.retrieval import BM25Retriever, make_server
@@ -428,7 +439,8 @@ def test_bandit_unknown_arm_is_a_format_error():
     messages, _ = env.reset(0)
     result = env.step("<answer>Horse</answer>")
     assert result.done and result.reward == -0.1 and result.info["format_error"] and not result.info["success"]
-    assert "Horse" in result.observations[0]["content"] and all(arm in result.observations[0]["content"] for arm in env.actions)
+    observation = result.observations[0]["content"]
+    assert "Horse" in observation and all(arm in observation for arm in env.actions)
 
 
 def set_lake(env, text):

@@ -3,6 +3,7 @@ import io
 import itertools
 import json
 import os
+import statistics
 import subprocess
 import sys
 from pathlib import Path
@@ -36,7 +37,8 @@ class ScriptedSampler:
         generations = []
         for prompt, row_seed in zip(prompts, seeds):
             self.prompts.append(list(prompt))
-            ids = rollout.encode(self.tokenizer, self.script(prompt, row_seed)) + [self.tokenizer.convert_tokens_to_ids("<|im_end|>")]
+            im_end = self.tokenizer.convert_tokens_to_ids("<|im_end|>")
+            ids = rollout.encode(self.tokenizer, self.script(prompt, row_seed)) + [im_end]
             generations.append(Generation(ids, [0.0] * len(ids), "stop"))
         return generations
 
@@ -53,7 +55,8 @@ def test_pass_at_k_matches_brute_force_over_subsets():
                 brute = sum(any(outcomes[i] for i in subset) for subset in subsets) / len(subsets)
                 assert evaluation.pass_at_k(n, c, k) == pytest.approx(brute, abs=1e-12), (n, c, k)
     assert evaluation.pass_at_k(5, 2, 1) == pytest.approx(0.4)  # pass@1 is the success rate
-    assert evaluation.pass_ks(1) == [1] and evaluation.pass_ks(8) == [1, 2, 4, 8] and evaluation.pass_ks(6) == [1, 2, 4, 6]
+    assert evaluation.pass_ks(1) == [1] and evaluation.pass_ks(8) == [1, 2, 4, 8]
+    assert evaluation.pass_ks(6) == [1, 2, 4, 6]
 
 
 class QuizEnv(envs.ToolEnv):
@@ -70,7 +73,7 @@ def test_summarize_hand_made_transcripts_through_rollout(tokenizer):
         (0, 0): ["<answer>paris</answer>"],  # EM 1, F1 1
         (0, 1): [envs.format_tool_call("calculator", {"expression": "2+2"}), "<answer>Lyon Paris</answer>"],  # F1 2/3
         (1, 0): ['<tool_call>{"name": "weather", "arguments": {}}</tool_call>', "<answer>Eiffel Tower</answer>"],
-        (1, 1): ["I do not know.", "Still no idea."],  # no answer before max_turns: truncated
+        (1, 1): ["I do not know.", "Still no idea."],  # no answer before the env's max_turns: not truncated
     }
     turn_of_seed = {rollout.sample_seed_for(0, seed, member, turn): (seed, member, turn)
                     for (seed, member) in transcripts for turn in range(2)}
@@ -83,9 +86,13 @@ def test_summarize_hand_made_transcripts_through_rollout(tokenizer):
                                    max_new_tokens=64, max_total_tokens=4096, sample_seed=0)
     row = evaluation.summarize(trajectories)
     # By hand: rewards 1.0 | 0.0 (ok call, wrong answer) | -0.1 (all calls invalid) + 1.0 | -0.1 - 0.1
-    expected = {"episodes": 4, "success": 0.5, "em": 0.5, "f1": (1 + 2 / 3 + 1 + 0) / 4, "reward": (1.0 + 0.0 + 0.9 - 0.2) / 4,
-                "turns": (1 + 2 + 2 + 2) / 4, "tool_calls": 2 / 4, "invalid_rate": 1 / 2, "truncated": 1 / 4,
-                "pass@1": 0.5, "pass@2": 1.0}
+    expected = {"episodes": 4, "success": 0.5, "em": 0.5, "f1": (1 + 2 / 3 + 1 + 0) / 4,
+                "reward": (1.0 + 0.0 + 0.9 - 0.2) / 4, "reward_std": statistics.pstdev([1.0, 0.0, 0.9, -0.2]),
+                "turns": (1 + 2 + 2 + 2) / 4, "tool_calls": 2 / 4, "invalid_call_rate": 1 / 2, "truncated": 0.0,
+                "no_answer": 1 / 4, "prompt_too_long": 0.0, "pass@1": 0.5, "pass@2": 1.0,
+                "response_tokens": statistics.fmean(sum(t.action_mask) for t in trajectories),
+                "trajectory_tokens": statistics.fmean(len(t.token_ids) for t in trajectories),
+                "prompt_tokens": statistics.fmean(t.prompt_length for t in trajectories)}
     assert row.keys() == expected.keys()
     for key, value in expected.items():
         assert row[key] == pytest.approx(value), key
@@ -93,21 +100,24 @@ def test_summarize_hand_made_transcripts_through_rollout(tokenizer):
 
 def test_format_table_has_a_row_per_entry_and_dashes_for_missing():
     rows = [{"model": "a", "setting": "tools", "temp": 0.0, "episodes": 2, "success": 0.5, "em": None, "f1": None,
-             "reward": 0.25, "turns": 1.0, "tool_calls": 0.0, "invalid_rate": 0.0, "truncated": 0.0, "pass@1": 0.5},
+             "reward": 0.25, "turns": 1.0, "tool_calls": 0.0, "invalid_call_rate": 0.0, "truncated": 0.0,
+             "no_answer": 0.25, "pass@1": 0.5},
             {"model": "b", "setting": "tools", "temp": 1.0, "episodes": 4, "success": 1.0, "em": 1.0, "f1": 1.0,
-             "reward": 1.0, "turns": 1.0, "tool_calls": 0.0, "invalid_rate": 0.0, "truncated": 0.0, "pass@1": 1.0, "pass@2": 1.0}]
+             "reward": 1.0, "turns": 1.0, "tool_calls": 0.0, "invalid_call_rate": 0.0, "truncated": 0.0,
+             "no_answer": 0.0, "pass@1": 1.0, "pass@2": 1.0}]
     lines = evaluation.format_table(rows).splitlines()
-    assert lines[0].split() == ["model", "setting", "temp", "episodes", "success", "EM", "F1", "reward", "turns", "calls",
-                                "invalid", "trunc", "pass@1", "pass@2"]
+    assert lines[0].split() == ["model", "setting", "temp", "episodes", "success", "EM", "F1", "reward", "turns",
+                                "calls", "invalid", "trunc", "no", "ans", "pass@1", "pass@2"]
     assert lines[1].split() == ["a", "tools", "0.0", "2", "0.500", "-", "-", "0.250", "1.000", "0.000", "0.000",
-                                "0.000", "0.500", "-"]
+                                "0.000", "0.250", "0.500", "-"]
     assert lines[2].split()[:3] == ["b", "tools", "1.0"] and lines[2].split()[-1] == "1.000"
 
 # -----------------------------------------------------------------------------
 # Baselines
 
 
-ROWS = [{"id": "0", "question": "Where was Ada Lovelace born?", "answers": ["London"], "supporting_titles": ["Ada Lovelace"],
+ROWS = [{"id": "0", "question": "Where was Ada Lovelace born?", "answers": ["London"],
+         "supporting_titles": ["Ada Lovelace"],
          "paragraphs": [{"title": "Ada Lovelace", "text": "Ada Lovelace was born in London in 1815."},
                         {"title": "Rome", "text": "Rome is the capital of Italy."}]}]
 
@@ -139,7 +149,8 @@ def test_multi_model_table_with_baselines_end_to_end_on_tiny_checkpoints(tmp_pat
     model_a, model_b = models.save_tiny_model(tmp_path / "a", seed=0), models.save_tiny_model(tmp_path / "b", seed=1)
     out = tmp_path / "results.json"
     evaluation.main(["--model", str(model_a), "--model", str(model_b), "--env", "search_qa", "--data",
-                     str(REPO / "tests" / "data" / "hotpotqa_sample.jsonl"), "--n", "2", "--max_new_tokens", "6", "--max_turns", "2",
+                     str(REPO / "tests" / "data" / "hotpotqa_sample.jsonl"), "--n", "2", "--max_new_tokens", "6",
+                     "--max_turns", "2",
                      "--baselines", "--json", str(out), "--sampler", "torch"])
     rows = json.loads(out.read_text())
     assert [(row["model"], row["setting"]) for row in rows] == [
@@ -161,7 +172,8 @@ def test_chat_runs_the_tool_live_and_keeps_tokens_in_tokens_out(tokenizer, monke
     env.reset(5)
     entity = env.hop_entities[0]
     fact = env.tools["search"].function(query=entity)
-    replies = iter([envs.format_tool_call("search", {"query": entity}), f"<answer>{env.answers[0]}</answer>", "Hi again."])
+    replies = iter([envs.format_tool_call("search", {"query": entity}), f"<answer>{env.answers[0]}</answer>",
+                    "Hi again."])
     sampler = ScriptedSampler(tokenizer, lambda prompt, seed: next(replies))
     monkeypatch.setattr("sys.stdin", io.StringIO(f"Tell me about {entity}\nthanks\n"))  # then EOF (Ctrl-D)
     evaluation.chat(sampler, tokenizer, envs.SyntheticQAEnv(hops=1), seed=5)
@@ -180,12 +192,14 @@ def test_chat_runs_the_tool_live_and_keeps_tokens_in_tokens_out(tokenizer, monke
 
 def test_chat_command_line_with_the_tiny_model_exits_cleanly():
     result = subprocess.run([sys.executable, "eval.py", "--chat", "--model", "tiny", "--max_new_tokens", "8"],
-                            input="hello\nexit\n", capture_output=True, text=True, cwd=REPO, env=os.environ, timeout=120)
+                            input="hello\nexit\n", capture_output=True, text=True, cwd=REPO, env=os.environ,
+                            timeout=120)
     assert result.returncode == 0, result.stderr
     assert "tools: search" in result.stdout and "agent> " in result.stdout
 
 
-def test_chat_at_the_turn_limit_does_not_run_calls_and_the_next_message_follows_the_agents_end_of_turn(tokenizer, capsys):
+def test_chat_at_the_turn_limit_does_not_run_calls_and_the_next_message_follows_the_agents_end_of_turn(
+        tokenizer, capsys):
     call = envs.format_tool_call("search", {"query": "Kalo"})
     sampler = ScriptedSampler(tokenizer, lambda prompt, seed: call)
     lines = iter(["first", "second", "exit"])

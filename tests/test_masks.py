@@ -1,3 +1,4 @@
+import math
 import random
 import re
 import statistics
@@ -5,8 +6,9 @@ import statistics
 import pytest
 import torch
 
-from masks import (aggregate_loss, compute_gae, grpo_advantages, kl_estimate, last_agent_positions,
-                   masked_mean, masked_whiten, place_rewards, reinforce_pp_advantages, render_trajectory)
+from masks import (aggregate_loss, compute_gae, explained_variance, grpo_advantages, kl_estimate,
+                   last_agent_positions, masked_mean, masked_whiten, place_rewards, reinforce_pp_advantages,
+                   render_trajectory)
 
 
 # -----------------------------------------------------------------------------
@@ -265,6 +267,23 @@ def test_masked_mean_and_whiten_ignore_off_mask_values():
     assert whitened[0, 2] == 0 and whitened[1, 1] == 0
     kept = whitened[mask == 1]
     assert abs(kept.mean()) < 1e-6 and abs(kept.std() - 1) < 1e-6
+
+
+def test_explained_variance_hand_computed_and_against_a_slow_reference():
+    returns = torch.tensor([[1.0, 2.0, 99.0], [3.0, -7.0, 4.0]])
+    mask = torch.tensor([[1, 1, 0], [1, 0, 1]])  # kept returns 1, 2, 3, 4
+    assert explained_variance(returns.clone(), returns, mask) == 1.0  # a perfect critic
+    assert explained_variance(torch.full_like(returns, 2.5), returns, mask) == pytest.approx(0.0, abs=1e-7)
+    # values 1, 1, 4, 4: errors 0, 1, -1, 0 (variance 2/3 against the returns' 5/3): 1 - 2/5
+    values = torch.tensor([[1.0, 1.0, 0.0], [4.0, 0.0, 4.0]])
+    assert explained_variance(values, returns, mask) == pytest.approx(0.6)
+    assert math.isnan(explained_variance(values, torch.ones_like(returns), mask))  # returns that do not vary
+    random_returns, random_values = torch.randn(4, 9), torch.randn(4, 9)
+    random_mask = torch.rand(4, 9) < 0.6
+    kept_returns, kept_values = random_returns[random_mask].tolist(), random_values[random_mask].tolist()
+    errors = [r - v for r, v in zip(kept_returns, kept_values)]
+    slow = 1 - statistics.variance(errors) / statistics.variance(kept_returns)
+    assert explained_variance(random_values, random_returns, random_mask) == pytest.approx(slow, rel=1e-5)
 
 
 def test_aggregate_loss_modes_hand_computed():

@@ -9,7 +9,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
 import memory_plan  # noqa: E402
 
 
-@pytest.mark.parametrize("shape", [(64, 2, 4, 2, 256, 1024, True), (256, 3, 8, 2, 704, 8192, False)], ids=["tiny", "mid"])
+@pytest.mark.parametrize("shape", [(64, 2, 4, 2, 256, 1024, True), (256, 3, 8, 2, 704, 8192, False)],
+                         ids=["tiny", "mid"])
 def test_planned_memory_matches_measured_tensor_sizes(shape):
     tokens, kept = 512, 128
     planned = memory_plan.plan(shape, "grpo", 1, tokens, kept, compute_bytes=4, sharded=False)

@@ -1,10 +1,12 @@
-"""nanoagent/models.py: the tiny offline model, the chat template, the critic, the rebuilt Qwen2.5 tokenizer."""
+"""nanoagent/models.py: the tiny offline model, the chat template, the critic; tests/qwen25_tokenizer.py: the
+rebuilt Qwen2.5 tokenizer."""
 
 import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from nanoagent.models import load_critic, load_model, qwen25_tokenizer, save_tiny_model, tiny_tokenizer
+from nanoagent.models import load_critic, load_model, save_tiny_model, tiny_tokenizer
+from tests.qwen25_tokenizer import qwen25_tokenizer
 
 CONVERSATION = [
     {"role": "system", "content": "Answer with the search tool."},
@@ -44,16 +46,19 @@ def test_tiny_tokens_and_generation_stop():
 
 def test_chat_template_renders_tool_call_and_tool_response():
     _, tokenizer = load_model("tiny")
-    text = tokenizer.apply_chat_template(CONVERSATION, tools=[SEARCH_SCHEMA], tokenize=False, add_generation_prompt=True)
+    text = tokenizer.apply_chat_template(CONVERSATION, tools=[SEARCH_SCHEMA], tokenize=False,
+                                         add_generation_prompt=True)
     expected = (
         "<|im_start|>system\nAnswer with the search tool.\n\n# Tools\n\nYou may call one or more functions to assist "
         "with the user query.\n\nYou are provided with function signatures within <tools></tools> XML tags:\n<tools>\n"
-        '{"type": "function", "function": {"name": "search", "description": "Search the knowledge base.", "parameters": '
-        '{"type": "object", "properties": {"query": {"type": "string"}}, "required": ["query"]}}}\n</tools>\n\n'
+        '{"type": "function", "function": {"name": "search", "description": "Search the knowledge base.", '
+        '"parameters": {"type": "object", "properties": {"query": {"type": "string"}}, "required": ["query"]}}}'
+        "\n</tools>\n\n"
         "For each function call, return a json object with function name and arguments within <tool_call></tool_call> "
         'XML tags:\n<tool_call>\n{"name": <function-name>, "arguments": <args-json-object>}\n</tool_call><|im_end|>\n'
         "<|im_start|>user\nWho directed Kalo?<|im_end|>\n"
-        '<|im_start|>assistant\n<tool_call>\n{"name": "search", "arguments": {"query": "Kalo"}}\n</tool_call><|im_end|>\n'
+        '<|im_start|>assistant\n<tool_call>\n{"name": "search", "arguments": {"query": "Kalo"}}\n'
+        "</tool_call><|im_end|>\n"
         "<|im_start|>user\n<tool_response>\nKalo: directed by Mira.\n</tool_response><|im_end|>\n"
         "<|im_start|>assistant\n"
     )
@@ -62,7 +67,8 @@ def test_chat_template_renders_tool_call_and_tool_response():
     structured = CONVERSATION[:2] + [{"role": "assistant", "content": "", "tool_calls": [
         {"type": "function", "function": {"name": "search", "arguments": {"query": "Kalo"}}}]}]
     assert tokenizer.apply_chat_template(structured, tokenize=False).endswith(
-        '<|im_start|>assistant\n<tool_call>\n{"name": "search", "arguments": {"query": "Kalo"}}\n</tool_call><|im_end|>\n')
+        '<|im_start|>assistant\n<tool_call>\n{"name": "search", "arguments": {"query": "Kalo"}}\n'
+        "</tool_call><|im_end|>\n")
 
 
 def test_critic_starts_from_policy_with_zero_head(tmp_path):
@@ -86,8 +92,8 @@ def test_missing_model_gives_clear_error(tmp_path):
 def test_qwen25_tokenizer_known_ids_and_template():
     tokenizer = qwen25_tokenizer()
     assert tokenizer("Hello, world!").input_ids == [9707, 11, 1879, 0]
-    assert tokenizer.convert_tokens_to_ids(["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<tool_call>", "</tool_call>",
-                                            "<|file_sep|>"]) == [151643, 151644, 151645, 151657, 151658, 151664]
+    tokens = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<tool_call>", "</tool_call>", "<|file_sep|>"]
+    assert tokenizer.convert_tokens_to_ids(tokens) == [151643, 151644, 151645, 151657, 151658, 151664]
     assert len(tokenizer) == 151665
     ids = tokenizer.apply_chat_template(CONVERSATION[:2], tokenize=True, add_generation_prompt=True, return_dict=False)
     assert ids[:3] == [151644, 8948, 198]  # <|im_start|> system \n

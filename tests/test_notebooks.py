@@ -50,8 +50,10 @@ def test_notebook_opens_with_the_idea_and_ends_with_what_to_try_next(path):
     first, last = notebook.cells[0], notebook.cells[-1]
     assert first.cell_type == "markdown" and first.source.startswith("# "), "the first cell is a markdown title"
     assert len(first.source.split()) >= 80, "the opening cell explains the idea, not just a title"
-    assert re.search(r"\(.*20\d\d", first.source), "the opening cell names the paper the idea comes from (Author, year)"
-    assert last.cell_type == "markdown" and last.source.startswith("## What to try next"), "the last cell is What to try next"
+    assert re.search(r"\(.*20\d\d", first.source), \
+        "the opening cell names the paper the idea comes from (Author, year)"
+    assert last.cell_type == "markdown" and last.source.startswith("## What to try next"), \
+        "the last cell is What to try next"
     assert last.source.count("\n- ") >= 3, "What to try next lists a few experiments"
 
 
@@ -77,4 +79,5 @@ def test_notebooks_import_the_project_instead_of_copying_it():
     for path in NOTEBOOKS:
         source = "\n".join(cell.source for cell in code_cells(nbformat.read(path, as_version=4)))
         defined = {node.name for node in ast.parse(source).body if isinstance(node, (ast.FunctionDef, ast.ClassDef))}
-        assert not defined & project_names, f"{path.name} redefines {sorted(defined & project_names)}: import it instead"
+        assert not defined & project_names, \
+            f"{path.name} redefines {sorted(defined & project_names)}: import it instead"

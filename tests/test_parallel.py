@@ -1,5 +1,6 @@
 """nanoagent/parallel.py and the multi-rank train.py: the same step on 1 or 2 ranks (gloo, FSDP2 on CPU),
-sharded checkpoints and resume on another number of ranks, the weight push, and fp32 master weights."""
+sharded checkpoints and resume on another number of ranks, the samplers' update_weights from a sharded policy,
+and fp32 master weights."""
 
 import json
 import os
@@ -13,6 +14,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoModelForTokenClassification
 
 import train
+from nanoagent.checkpoint import latest_checkpoint
 from nanoagent.models import load_model
 from tests.test_train import BANDIT
 
@@ -46,7 +48,7 @@ def assert_close_runs(one, two, atol=1e-5):
     for step_one, step_two in zip(metrics(one), metrics(two), strict=True):
         for key in COMPARED:
             assert step_one[key] == pytest.approx(step_two[key], abs=atol, rel=atol), (step_one["step"], key)
-    final = (one / "latest").read_text().strip()
+    final = latest_checkpoint(one).name
     pairs = [(one / final, two / final, AutoModelForCausalLM)]
     if (one / final / "critic").exists():
         pairs.append((one / final / "critic", two / final / "critic", AutoModelForTokenClassification))
@@ -85,7 +87,6 @@ def test_sharded_resume_is_exact_on_two_ranks_and_continues_on_one(tmp_path, war
     assert policy.lm_head.weight.data_ptr() == policy.model.embed_tokens.weight.data_ptr()
     shutil.copytree(tmp_path / "straight", tmp_path / "broken")
     shutil.rmtree(tmp_path / "broken" / "step_000002")
-    (tmp_path / "broken" / "latest").write_text("step_000001\n")
     shutil.copytree(tmp_path / "broken", tmp_path / "on_one")
     torchrun(["train.py", *flags, "--out_dir", str(tmp_path / "broken"), "--resume"])  # 2 -> 2
     straight, resumed = weights(tmp_path / "straight" / "step_000002"), weights(tmp_path / "broken" / "step_000002")
@@ -103,15 +104,16 @@ def test_sharded_resume_is_exact_on_two_ranks_and_continues_on_one(tmp_path, war
 PUSH_SCRIPT = """
 import sys, torch, torch.distributed as dist
 from nanoagent.models import load_model
-from nanoagent.parallel import full_state_dict, push_weights, shard_model
+from nanoagent.parallel import full_state_dict, shard_model
 from nanoagent.sampler import TorchSampler
 dist.init_process_group("gloo")
 policy = shard_model(load_model("tiny")[0].train(), torch.device("cpu"))
 sampler = TorchSampler(load_model("tiny")[0])
 optimizer = torch.optim.SGD(policy.parameters(), lr=0.1)
-(policy(input_ids=torch.arange(10, 30).view(2, 10) + 5 * dist.get_rank()).logits.square().mean() / 2).backward()  # summed over ranks
+input_ids = torch.arange(10, 30).view(2, 10) + 5 * dist.get_rank()
+(policy(input_ids=input_ids).logits.square().mean() / 2).backward()  # summed over ranks
 optimizer.step()
-push_weights(sampler, policy, torch.float32)
+sampler.update_weights(policy, torch.float32)
 gathered = full_state_dict(policy)
 if dist.get_rank() == 0:
     torch.save(gathered, sys.argv[1] + "/gathered.pt")

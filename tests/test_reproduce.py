@@ -12,7 +12,8 @@ import reproduce  # noqa: E402
 
 
 def history(successes):
-    return [{"step": 0, "eval_success": 0.1}] + [{"step": i + 1, "success": s, "grad_norm": 1.0} for i, s in enumerate(successes)]
+    return [{"step": 0, "eval_success": 0.1}] + [{"step": i + 1, "success": s, "grad_norm": 1.0}
+                                                 for i, s in enumerate(successes)]
 
 
 def test_collapse_step_is_the_first_window_below_half_the_best():
@@ -36,5 +37,7 @@ def test_a_quick_study_trains_evaluates_and_writes_its_table(tmp_path):
     assert table.count("\n| ") == 3 and "± 0.000" in table  # header and two rows; one seed, so no spread
     assert (tmp_path / "mask_ablation" / "mask_ablation.png").stat().st_size > 0
     assert (tmp_path / "evaluations.json").exists()
-    again = reproduce.main(["mask_ablation", "--quick", "--out", str(tmp_path)])["mask_ablation"]  # read back, not redone
-    assert again["wall_s"] < results["wall_s"] and again["agent tokens only (action mask)"] == results["agent tokens only (action mask)"]
+    # read back, not redone
+    again = reproduce.main(["mask_ablation", "--quick", "--out", str(tmp_path)])["mask_ablation"]
+    assert (again["wall_s"] < results["wall_s"]
+            and again["agent tokens only (action mask)"] == results["agent tokens only (action mask)"])

@@ -59,7 +59,8 @@ def serving(retriever):
 
 
 def post(url, payload, timeout=5):
-    request = urllib.request.Request(url, data=json.dumps(payload).encode(), headers={"Content-Type": "application/json"})
+    request = urllib.request.Request(url, data=json.dumps(payload).encode(),
+                                     headers={"Content-Type": "application/json"})
     with urllib.request.urlopen(request, timeout=timeout) as response:
         return json.loads(response.read())
 
@@ -111,7 +112,8 @@ def test_server_answers_a_search_r1_request_exactly(bm25_dir):
                          "score": pytest.approx(retriever.retrieve(["zorblat14"], 1)[0][0]["score"])}
         # Without return_scores (Search-R1's default) each hit is the document alone.
         plain = post(url, {"queries": ["zorblat21"], "topk": 2})
-        assert plain["result"][0][0] == {"id": "21", "contents": to_contents(PASSAGES[21])} and len(plain["result"][0]) <= 2
+        assert plain["result"][0][0] == {"id": "21", "contents": to_contents(PASSAGES[21])}
+        assert len(plain["result"][0]) <= 2
         for bad in ({"topk": 3}, {"queries": "one string", "topk": 3}, {"queries": ["x"], "topk": 0}):
             with pytest.raises(urllib.error.HTTPError, match="400"):
                 post(url, bad)
@@ -125,7 +127,8 @@ def test_client_against_our_server_equals_the_local_index(bm25_dir):
     local = retriever.retrieve(queries, 3)
     assert [[(h["title"], h["text"], h["id"]) for h in hits] for hits in remote] == \
         [[(h["title"], h["text"], str(h["id"])) for h in hits] for hits in local]
-    assert [[h["score"] for h in hits] for hits in remote] == [[pytest.approx(h["score"]) for h in hits] for hits in local]
+    assert ([[h["score"] for h in hits] for hits in remote]
+            == [[pytest.approx(h["score"]) for h in hits] for hits in local])
 
 
 def free_port():

