@@ -223,7 +223,7 @@ def step_envs(envs: list, texts: list[str]) -> list[StepResult]:
 
 HUB_DATASETS = {"hotpotqa": ("hotpotqa/hotpot_qa", "distractor"),  # (Hub name, config)
                 "2wikimultihopqa": ("framolfese/2WikiMultihopQA", None),
-                "musique": ("dgslibisey/MuSiQue", None)}
+                "musique": ("dgslibisey/MuSiQue", None), "gsm8k": ("openai/gsm8k", "main")}
 
 
 def normalize_qa_row(row: dict) -> dict:
@@ -270,20 +270,24 @@ def local_split(rows: list[dict], split: str) -> list[dict]:
     return [row for index, row in enumerate(rows) if (index in held) == (split == "validation")]
 
 
-def load_qa_dataset(source: str, split: str = "train", limit: int | None = None) -> list[dict]:
-    """Normalised rows of `split` from a local .json/.jsonl/.parquet file (no network; split by local_split)
-    or from the Hub: "hotpotqa", "2wikimultihopqa", "musique" or any Hub name with the same schema."""
+def read_rows(source: str, split: str) -> tuple[object, bool]:
+    """(the raw rows, whether they are local): a local .json/.jsonl/.parquet file's rows (every one: the caller
+    splits them with local_split), or the Hub dataset's `split` (HUB_DATASETS names a few by a short name)."""
     import datasets  # imported here: slow to import, and only the dataset envs need it
     suffix = Path(source).suffix
-    local = suffix in (".json", ".jsonl", ".parquet")
-    if local:
-        if not Path(source).exists():
-            raise UserError(f"data file {source} does not exist")
-        builder = "parquet" if suffix == ".parquet" else "json"
-        rows = datasets.load_dataset(builder, data_files=str(source), split="train")
-    else:
+    if suffix not in (".json", ".jsonl", ".parquet"):
         name, config = HUB_DATASETS.get(source.lower(), (source, None))
-        rows = datasets.load_dataset(name, config, split=split)
+        return datasets.load_dataset(name, config, split=split), False
+    if not Path(source).exists():
+        raise UserError(f"data file {source} does not exist")
+    builder = "parquet" if suffix == ".parquet" else "json"
+    return datasets.load_dataset(builder, data_files=str(source), split="train"), True
+
+
+def load_qa_dataset(source: str, split: str = "train", limit: int | None = None) -> list[dict]:
+    """Normalised rows of `split` from a local file (no network; split by local_split) or from the Hub:
+    "hotpotqa", "2wikimultihopqa", "musique" or any Hub name with the same schema."""
+    rows, local = read_rows(source, split)
     normalized = []
     for index, row in enumerate(rows):
         where = f"{source}: row {index} (id {row.get('id', row.get('_id'))!r})"
@@ -501,6 +505,110 @@ class CalculatorEnv(ToolEnv):
                         f"equally on {shelves} shelves. How many books are on each shelf?")
             answer = per_shelf
         return question, [str(answer)], [tools.calculator_tool()]
+
+# -----------------------------------------------------------------------------
+# Computation: answers that need exact arithmetic, with the sandboxed `python` tool
+
+PYTHON_TOOL = tools.python_tool()  # one tool for every episode, so a turn's programs run as one batch
+
+
+class ComputeEnv(ToolEnv):
+    """Questions a small model cannot answer in its head: a product of large numbers, the digit sum of a power,
+    a count over a range. The agent writes a short program for the `python` tool, reads what it printed and
+    answers with the number (exact match). Each kind has one program shape, so a tiny model can learn it."""
+    system_prompt = ("Answer the question. Run a short Python program with the python tool that prints the "
+                     "result, then give the number as <answer>...</answer>.")
+    warmup_options = {"kinds": ["product"]}  # one program shape first (sft.py)
+    KINDS = {  # kind -> (question, program, the answer), filled in with the task's numbers a, b, c
+        "product": ("What is {a} times {b}?", "print({a} * {b})", lambda a, b: a * b),
+        "digit_sum": ("What is the sum of the digits of {a} to the power {b}?",
+                      "print(sum(int(digit) for digit in str({a} ** {b})))",
+                      lambda a, b: sum(int(digit) for digit in str(a ** b))),
+        "count": ("How many numbers from {a} to {b} are divisible by {c}?",
+                  "print(sum(1 for n in range({a}, {b} + 1) if n % {c} == 0))", lambda a, b, c: b // c - (a - 1) // c),
+    }
+
+    def __init__(self, kinds=tuple(KINDS), **options):
+        assert kinds and set(kinds) <= set(self.KINDS), f"kinds must be some of {sorted(self.KINDS)}, got {kinds}"
+        self.kinds = list(kinds)
+        super().__init__(**options)
+
+    def new_task(self, rng):
+        self.kind = rng.choice(self.kinds)
+        if self.kind == "product":
+            self.numbers = {"a": rng.randint(1000, 99999), "b": rng.randint(1000, 99999)}
+        elif self.kind == "digit_sum":
+            self.numbers = {"a": rng.randint(2, 99), "b": rng.randint(20, 99)}
+        else:
+            start = rng.randint(1, 999)
+            self.numbers = {"a": start, "b": start + rng.randint(1000, 99999), "c": rng.randint(3, 97)}
+        question, _, solve = self.KINDS[self.kind]
+        return question.format(**self.numbers), [str(solve(**self.numbers))], [PYTHON_TOOL]
+
+    def demonstration(self, mistake_rate=0.0, rng=None) -> list[str]:
+        """Assistant turns for the current episode (after reset), for sft.py: the kind's program, then the
+        number it prints. Each decision goes wrong with probability mistake_rate: a guess without a program,
+        or a digit miscopied into the program (the answer then follows the wrong program)."""
+        rng = rng or random.Random(0)
+        if rng.random() < mistake_rate:
+            return [f"<answer>{rng.randint(1, 10 ** len(self.answers[0]))}</answer>"]
+        numbers = dict(self.numbers)
+        if rng.random() < mistake_rate:
+            key = rng.choice(sorted(numbers))
+            digits = list(str(numbers[key]))
+            digits[rng.randrange(len(digits))] = str(rng.randrange(1, 10))
+            numbers[key] = int("".join(digits))
+        _, program, solve = self.KINDS[self.kind]
+        return [format_tool_call("python", {"code": program.format(**numbers)}), f"<answer>{solve(**numbers)}</answer>"]
+
+
+def final_number(text: str) -> str | None:
+    """The last number in `text` (GSM8K's after "####"), without thousands separators or a trailing ".0"."""
+    numbers = re.findall(r"-?\d[\d,]*(?:\.\d+)?", text.split("####")[-1])
+    if not numbers:
+        return None
+    number = numbers[-1].replace(",", "")
+    return number[:-2] if number.endswith(".0") else number
+
+
+def load_math_dataset(source: str, split: str = "train") -> list[dict]:
+    """GSM8K-style rows {"question", "answer": "...reasoning... #### 72"} -> {"id", "question", "answers":
+    ["72"]}, from a local file (split by local_split) or the Hub ("gsm8k", or a Hub name with its schema)."""
+    raw, local = read_rows(source, split)
+    rows = []
+    for index, row in enumerate(raw):
+        answer = final_number(str(row.get("answer") or ""))
+        if not row.get("question") or answer is None:
+            raise UserError(f"{source}: row {index} needs a question and an answer ending in '#### number'")
+        rows.append({"id": str(row.get("id", index)), "question": row["question"], "answers": [answer]})
+    return local_split(rows, split) if local else rows
+
+
+class MathEnv(ToolEnv):
+    """Grade-school math word problems (GSM8K) with the `python` tool, for instruct models on GPUs (the tiny
+    model learns ComputeEnv instead). Scored by the final number: 72, 72.0 and 1,072's separators agree."""
+    system_prompt = ("Solve the problem. You may run Python programs with the python tool. Give the final "
+                     "number as <answer>...</answer>.")
+
+    def __init__(self, data, split="train", **options):
+        self.rows = cached_math_dataset(data, split) if isinstance(data, (str, Path)) else data
+        assert len(self.rows) > 0, "MathEnv needs at least one row"
+        super().__init__(**options)
+
+    def new_task(self, rng):
+        row = self.rows[self.seed % len(self.rows)]  # seed i is row i, as in SearchQAEnv
+        return row["question"], row["answers"], [PYTHON_TOOL]
+
+    def score(self, answer):
+        number = final_number(answer)
+        em = float(number is not None and float(number) == float(self.answers[0]))
+        return {"em": em, "f1": em, "substring_em": em}
+
+
+@lru_cache(maxsize=8)
+def cached_math_dataset(source, split: str) -> list[dict]:
+    """load_math_dataset, once per process."""
+    return load_math_dataset(str(source), split)
 
 # -----------------------------------------------------------------------------
 # RAGEN's games: the action is a word in <answer>...</answer>, several per turn joined by "||"
@@ -725,15 +833,17 @@ class SokobanEnv(GameEnv):
 
 
 ENVS = {"search_qa": SearchQAEnv, "synthetic_qa": SyntheticQAEnv, "calculator": CalculatorEnv,
-        "bandit": BanditEnv, "frozen_lake": FrozenLakeEnv, "sokoban": SokobanEnv}
+        "compute": ComputeEnv, "math": MathEnv, "bandit": BanditEnv, "frozen_lake": FrozenLakeEnv,
+        "sokoban": SokobanEnv}
+DATA_ENVS = (SearchQAEnv, MathEnv)  # their tasks come from --data
 
 
 def env_factory(name, options=None, data=None, split="train"):
     """A zero-argument callable that builds a fresh `name` env per episode (what rollout() takes).
-    `options` are the env's constructor keywords; `data` and `split` are for search_qa only."""
+    `options` are the env's constructor keywords; `data` and `split` are for the DATA_ENVS only."""
     assert name in ENVS, f"unknown env {name!r}; choose from {sorted(ENVS)}"
     env_class, options = ENVS[name], dict(options or {})
-    if env_class is SearchQAEnv:
-        assert data is not None, "search_qa needs data: a Hub name (hotpotqa, 2wikimultihopqa, musique) or a local file"
+    if env_class in DATA_ENVS:
+        assert data is not None, f"{name} needs data: a Hub name (hotpotqa, musique, gsm8k, ...) or a local file"
         options = {"data": data, "split": split, **options}
     return lambda: env_class(**options)

@@ -226,7 +226,7 @@ def main(argv=None):
     add("--env", default="synthetic_qa", choices=sorted(envs.ENVS))
     add("--env_options", default="{}", help='JSON constructor options, e.g. \'{"hops": 3}\'')
     add("--max_turns", type=int, default=None, help="default: the env's own")
-    add("--data", default="hotpotqa", help="search_qa: Hub name or local .json/.jsonl/.parquet")
+    add("--data", default="hotpotqa", help="search_qa, math: Hub name or local .json/.jsonl/.parquet")
     add("--split", default="validation",
         help="search_qa: the held-out split (a local file: its held-out share; 'all': every row)")
     add("--n", type=int, default=256, help="evaluation seeds (search_qa: rows)")
@@ -247,7 +247,7 @@ def main(argv=None):
         return
     seed_start = args.seed_start
     if seed_start is None:
-        seed_start = 0 if args.env == "search_qa" else envs.EVAL_SEED_START
+        seed_start = 0 if envs.ENVS[args.env] in envs.DATA_ENVS else envs.EVAL_SEED_START
     seeds = range(seed_start, seed_start + args.n)
     settings = ["tools"]
     if args.baselines:

@@ -28,16 +28,20 @@ call is from the consequences (a wasted turn, a lower reward), and one bad call 
 Nothing here raises on model output.
 
 Batches. A tool with a `batch_function` gets the calls of a turn's episodes at once: the search retriever
-answers them with one HTTP request, one encoder forward or one pass over the BM25 index, not one each.
+answers them with one HTTP request, one encoder forward or one pass over the BM25 index, not one each;
+the python tool runs a turn's programs side by side, each in nanoagent/sandbox.py.
 """
 import ast
 import json
 import math
+import os
 import queue
 import threading
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Callable
 
+from nanoagent import sandbox
 from nanoagent.retrieval import BM25Retriever
 
 
@@ -49,6 +53,7 @@ class Tool:
     function: Callable[..., str]
     # Optional: runs many calls at once, [arguments of each call] -> [output of each call].
     batch_function: Callable[[list[dict]], list[str]] | None = None
+    bounded: bool = False  # the tool bounds its own run time (the sandbox does): no worker time-out
 
     def schema(self) -> dict:
         """The OpenAI function format that HF chat templates (and vLLM) accept as `tools=[...]`."""
@@ -67,41 +72,44 @@ class ToolCall:
 
 OPEN_TAG, CLOSE_TAG = "<tool_call>", "</tool_call>"
 UNCLOSED = f"unclosed {OPEN_TAG}: no {CLOSE_TAG} follows it (was the output cut off?)"
-JSON_DECODER = json.JSONDecoder()
 
 
 def parse_tool_calls(text: str, tool_names=None, max_calls: int = 4) -> list[ToolCall]:
     """Every <tool_call>{json}</tool_call> block in `text`, in order, bad ones as ToolCalls with `error` set;
-    text around them is ignored. The JSON is decoded first (JSONDecoder.raw_decode), and only then is the
-    closing tag expected, so a "</tool_call>" inside a JSON string is part of the argument. Calls past
-    `max_calls` are dropped and reported by one error entry."""
+    text around them is ignored. As strict as serving, where the agent will run behind vLLM's Hermes parser
+    (`vllm serve --tool-call-parser hermes`): a block ends at the first </tool_call>, and what it holds must
+    be JSON (JSON's own whitespace around it, nothing else) of the shape {"name": str, "arguments": {...}}.
+    A server runs no call of a turn with a malformed block, so here every call of such a turn fails too,
+    and RL learns what the stray block cost. Stricter than serving: "arguments" must be an object (vLLM
+    would pass a string on as a string), and an unclosed last block is an error. Calls past `max_calls` are
+    dropped and reported by one error entry."""
     calls, position = [], 0
     while (start := text.find(OPEN_TAG, position)) != -1:
-        if len(calls) == max_calls:
-            calls.append(ToolCall(None, None,
-                                  f"too many tool calls: at most {max_calls} per turn, the rest were ignored"))
-            break
-        json_start = start + len(OPEN_TAG)
-        while json_start < len(text) and text[json_start].isspace():
-            json_start += 1
-        try:
-            payload, json_end = JSON_DECODER.raw_decode(text, json_start)
-            error = None
-        except (ValueError, RecursionError) as exception:  # RecursionError: absurdly deep nesting
-            json_end = json_start
-            error = f"invalid JSON inside {OPEN_TAG}: {getattr(exception, 'msg', type(exception).__name__)}"
-        close = text.find(CLOSE_TAG, json_end)  # the first closing tag after the JSON object
+        close = text.find(CLOSE_TAG, start)
         if close == -1:
             calls.append(ToolCall(None, None, UNCLOSED))
             break
         position = close + len(CLOSE_TAG)
-        if error is None and text[json_end:close].strip():
-            error = f"unexpected text between the JSON and {CLOSE_TAG}"
-        calls.append(ToolCall(None, None, error) if error else _tool_call_from_json(payload, tool_names))
+        try:
+            payload = json.loads(text[start + len(OPEN_TAG):close])  # json skips JSON's whitespace only
+        except (ValueError, RecursionError) as error:  # RecursionError: absurdly deep nesting
+            calls.append(ToolCall(None, None, f"invalid JSON inside {OPEN_TAG}: {getattr(error, 'msg', error)}"))
+            continue
+        calls.append(_tool_call_from_json(payload))
+    if any(call.error for call in calls):
+        spoiled = f"not run: another {OPEN_TAG} block of this turn is malformed, so no call of the turn runs"
+        return [call if call.error else ToolCall(call.name, call.arguments, spoiled) for call in calls]
+    if len(calls) > max_calls:
+        calls = calls[:max_calls] + [ToolCall(None, None, f"too many tool calls: at most {max_calls} per turn, "
+                                                          "the rest were ignored")]
+    for index, call in enumerate(calls):
+        if tool_names is not None and call.error is None and call.name not in tool_names:
+            calls[index] = ToolCall(call.name, call.arguments,
+                                    f"unknown tool {call.name!r}; available tools: {', '.join(sorted(tool_names))}")
     return calls
 
 
-def _tool_call_from_json(payload, tool_names) -> ToolCall:
+def _tool_call_from_json(payload) -> ToolCall:
     """Checks the decoded block has the shape {"name": str, "arguments": {...}}."""
     if not isinstance(payload, dict):
         return ToolCall(None, None, f'a tool call must be a JSON object with "name" and "arguments", '
@@ -109,17 +117,9 @@ def _tool_call_from_json(payload, tool_names) -> ToolCall:
     name, arguments = payload.get("name"), payload.get("arguments")
     if not isinstance(name, str):
         return ToolCall(None, None, 'the tool call has no "name" string')
-    if isinstance(arguments, str):
-        # OpenAI's API sends arguments as a JSON-encoded string; some models imitate it. Accept it.
-        try:
-            arguments = json.loads(arguments)
-        except (ValueError, RecursionError):
-            return ToolCall(name, None, f'"arguments" of tool {name!r} is a string that is not valid JSON')
     if not isinstance(arguments, dict):
         what = "missing" if "arguments" not in payload else f"a JSON {_json_type(arguments)}"
         return ToolCall(name, None, f'"arguments" of tool {name!r} must be a JSON object, but it is {what}')
-    if tool_names is not None and name not in tool_names:
-        return ToolCall(name, arguments, f"unknown tool {name!r}; available tools: {', '.join(sorted(tool_names))}")
     return ToolCall(name, arguments)
 
 # -----------------------------------------------------------------------------
@@ -200,7 +200,7 @@ def run_in_worker(tool: Tool, arguments: list[dict], timeout_s, max_output_chars
     function = tool.batch_function or (lambda calls: [tool.function(**call) for call in calls])
     result, done = {}, threading.Event()
     tool_worker().put((function, arguments, result, done))
-    if not done.wait(timeout_s):
+    if not done.wait(None if tool.bounded else timeout_s):
         _workers.queue = None  # that thread is stuck in the tool: the next call starts a fresh one
         return [(f"Error: tool {tool.name!r} timed out after {timeout_s} s", False)] * len(arguments)
     if "error" in result:
@@ -332,3 +332,22 @@ def search_tool(passages_or_retriever, top_k: int = 3, max_chars: int = 1500) ->
                     "required": ["query"]},
                 function=lambda query: search_batch([{"query": query}])[0],
                 batch_function=search_batch)
+
+# -----------------------------------------------------------------------------
+# Python: the model's program, run in the sandbox (nanoagent/sandbox.py says what it stops)
+
+
+def python_tool(limits: sandbox.Limits = sandbox.Limits(output_bytes=1500)) -> Tool:
+    """The "python" tool: {"code": str} -> what the program printed, or why it was stopped (its output cap sits
+    below run_tool_calls' cut, so the sandbox's note is read). A crashing program is the tool's answer, not a
+    bad call. A turn's programs from every episode run at once, one per core."""
+    def run_batch(arguments: list[dict]) -> list[str]:
+        with ThreadPoolExecutor(os.cpu_count()) as pool:
+            return list(pool.map(lambda call: sandbox.run_python(call["code"], limits)[0], arguments))
+
+    return Tool(name="python",
+                description="Run a Python program (standard library only) and return what it printed.",
+                parameters={"type": "object", "properties": {
+                    "code": {"type": "string", "description": "The program; print() what you need to see."}},
+                    "required": ["code"]},
+                function=lambda code: run_batch([{"code": code}])[0], batch_function=run_batch, bounded=True)

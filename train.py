@@ -74,7 +74,7 @@ def get_args(argv=None):
     # Environment
     add("--env", default="synthetic_qa", choices=sorted(envs.ENVS))
     add("--env_options", default="{}", help='JSON constructor options, e.g. \'{"hops": 3}\'')
-    add("--data", default=None, help="search_qa: Hub name (hotpotqa, ...) or local .json/.jsonl/.parquet")
+    add("--data", default=None, help="search_qa, math: Hub name (hotpotqa, gsm8k, ...) or local .json/.jsonl/.parquet")
     add("--retriever", default=None, help="search_qa: search a shared corpus, an index directory "
         "(python -m nanoagent.retrieval build) or a server URL http://host:port/retrieve")
     add("--max_turns", type=int, default=4)
@@ -162,7 +162,8 @@ def get_args(argv=None):
     check(args.critic_warmup == 0 or args.algo == "ppo", "--critic_warmup needs a critic (--algo ppo)")
     check(args.kl != "in_reward" or args.algo != "grpo",
           "--kl in_reward needs per-token credit: use --kl loss with GRPO")
-    check(args.env != "search_qa" or args.data, "--env search_qa needs --data (a Hub name or a local file)")
+    check(envs.ENVS[args.env] not in envs.DATA_ENVS or args.data,
+          f"--env {args.env} needs --data (a Hub name or a local file)")
     check(not args.dr_grpo or args.algo == "grpo", "--dr_grpo changes GRPO's advantages: it needs --algo grpo")
     check(not args.retriever or args.env == "search_qa", "--retriever is for --env search_qa")
     return args

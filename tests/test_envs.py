@@ -2,6 +2,7 @@
 independent BFS, slip frequencies, answer normalisation, and the dataset loaders on shipped samples."""
 import hashlib
 import json
+import random
 import re
 import threading
 from collections import Counter, deque
@@ -586,10 +587,12 @@ def test_games_are_deterministic_and_require_think_works():
 
 
 def test_every_env_speaks_the_interface():
-    rows = envs.load_qa_dataset(str(DATA / "musique_sample.jsonl"))
-    assert set(envs.ENVS) == {"search_qa", "synthetic_qa", "calculator", "bandit", "frozen_lake", "sokoban"}
+    data = {"search_qa": envs.load_qa_dataset(str(DATA / "musique_sample.jsonl")),
+            "math": envs.load_math_dataset(str(DATA / "gsm8k_sample.jsonl"), "all")}
+    assert set(envs.ENVS) == {"search_qa", "synthetic_qa", "calculator", "compute", "math", "bandit", "frozen_lake",
+                              "sokoban"}
     for name, env_class in envs.ENVS.items():
-        env = env_class(rows) if name == "search_qa" else env_class()
+        env = env_class(data[name]) if name in data else env_class()
         messages, tool_schemas = env.reset(envs.EVAL_SEED_START)
         assert [m["role"] for m in messages] == ["system", "user"] and isinstance(tool_schemas, list)
         result = env.step("no idea")
@@ -619,3 +622,55 @@ def test_readme_example_runs(capsys):
 def test_every_env_name_is_a_single_token_of_the_tiny_tokenizer():
     from nanoagent.models import TINY_NAMES
     assert set(envs.NAMES) | set(envs.SAFE_ARMS) | set(envs.RISKY_ARMS) <= set(TINY_NAMES)
+
+
+# -----------------------------------------------------------------------------
+# Computation with the python tool
+
+
+def test_compute_env_answers_are_what_its_programs_print():
+    env, kinds = envs.ComputeEnv(), set()
+    for seed in range(24):
+        _, tool_schemas = env.reset(seed)
+        kinds.add(env.kind)
+        program, answer = env.demonstration(0.0)
+        printed = env.step(program).observations[0]["content"]
+        assert printed == env.answers[0] + "\n", (env.question, printed)  # the sandbox agrees with the env
+        result = env.step(answer)
+        assert result.done and result.info["success"] and result.reward == 1.0
+    assert kinds == set(envs.ComputeEnv.KINDS) and [s["function"]["name"] for s in tool_schemas] == ["python"]
+    assert env.reset(0)[0] == envs.ComputeEnv().reset(0)[0]  # deterministic given the seed
+    assert all("divisible" in envs.ComputeEnv(kinds=["count"]).reset(seed)[0][1]["content"] for seed in range(3))
+
+
+def test_compute_env_flawed_demonstrations():
+    env, rng, outcomes = envs.ComputeEnv(kinds=["product"]), random.Random(0), Counter()
+    for seed in range(60):
+        env.reset(seed)
+        turns = env.demonstration(0.5, rng)
+        results = [env.step(turn) for turn in turns]
+        if len(turns) == 1:
+            outcomes["guessed"] += 1
+        else:  # a miscopied digit: the answer follows what the wrong program printed
+            assert f"<answer>{results[0].observations[0]['content'].strip()}</answer>" == turns[1]
+            outcomes["solved" if results[-1].info["success"] else "miscopied"] += 1
+    assert min(outcomes.values()) >= 5, outcomes
+
+
+def test_math_env_on_a_gsm8k_sample_in_the_hubs_schema(tmp_path):
+    rows = envs.load_math_dataset(str(DATA / "gsm8k_sample.jsonl"), "all")
+    assert [row["answers"] for row in rows] == [["38"], ["315"], ["25"], ["50"], ["2125"], ["32"], ["-7"], ["700"]]
+    train, held_out = (envs.load_math_dataset(str(DATA / "gsm8k_sample.jsonl"), split) for split in
+                       ("train", "validation"))
+    assert len(held_out) == 1 and len(train) == 7 and held_out[0] not in train
+    env = envs.MathEnv(rows)
+    env.reset(4)  # 3,400 - 1,275
+    assert [env.score(text)["em"] for text in ("2,125", "It is 2125.", "2125.0", "2124", "no idea")] == [1, 1, 1, 0, 0]
+    assert env.step("<answer>$2,125</answer>").info["success"]
+    assert envs.final_number("so 4 * 12.50 = 50.\n#### 50") == "50" and envs.final_number("#### -7") == "-7"
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text(json.dumps({"question": "How many?", "answer": "many"}) + "\n")
+    with pytest.raises(UserError, match="needs a question and an answer ending in '#### number'"):
+        envs.load_math_dataset(str(bad))
+    with pytest.raises(UserError, match="does not exist"):
+        envs.load_math_dataset(str(tmp_path / "missing.jsonl"))

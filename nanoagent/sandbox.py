@@ -1,0 +1,210 @@
+"""Run Python code a policy wrote, in layers a reader can check (Linux): `run_python(code) -> (text, ok)`.
+
+The one place nanoagent runs untrusted input, thousands of times a training step. The threat is a program that,
+by mistake or reward hacking, loops, eats memory, floods its output, fills the disk, forks without end, reads the
+trainer's secrets (HF_TOKEN), rewrites the project or its grader, reaches the network, or outlives the call; not
+an attacker with a kernel exploit (no seccomp filter; the kernel is shared). `layers()` names the layers here:
+
+1. "process" (always). A new session per call in a fresh temporary directory, stdin closed, four environment
+   variables and none of ours; isolated Python (`-I -S`: no PYTHON* variables, no site-packages), so the project
+   cannot be imported; hard limits on CPU, memory, file size, open files and core dumps; at the time-out or the
+   output cap we kill the process group and every process with the call's token in its environment (which one
+   that left the group keeps). Not stopped: what our uid may do (write the repository, signal the trainer, read
+   its /proc/PID/environ), the network, forks, a process that leaves the group and replaces its environment.
+2. "unprivileged uid" (when we are root, as CI is). The program runs as nobody, with no groups: it cannot write
+   what root owns, read root-only files (/root) or signal the trainer; RLIMIT_NPROC caps its processes. Not
+   stopped: what any user may read (/etc) or write (/tmp), the network; calls running at once are all nobody:
+   they may signal each other and share the process cap, where killed processes count until init reaps them.
+3. "bubblewrap" (`apt-get install bubblewrap`). Namespaces: the program sees a read-only /usr (and /bin, /lib),
+   its work directory, a private /tmp, /proc, /dev, nothing else; no network but its own loopback; uid 65534 in
+   a user namespace, where RLIMIT_NPROC counts this call's processes (Linux >= 5.14); a PID namespace, so all it
+   started dies with it, whatever its session or environment. Not stopped: kernel bugs, and many files each
+   under the size cap (memory in /tmp, disk in the work directory) until the time-out.
+"""
+
+import contextlib
+import functools
+import os
+import selectors
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import warnings
+from dataclasses import dataclass
+
+MAX_CODE_BYTES = 1_000_000  # far beyond a program a policy writes in one turn: bigger is a sampling bug
+NOBODY = 65534  # the unprivileged uid and gid (nobody, nogroup) every Linux has
+_BWRAP = shutil.which("bwrap")
+_probe_lock = threading.Lock()
+
+
+@dataclass(frozen=True)
+class Limits:
+    """What one program may use. The defaults suit a tool call inside a rollout."""
+    timeout_s: float = 5.0  # wall clock; then the whole sandbox is killed
+    cpu_s: int = 5  # CPU seconds (RLIMIT_CPU)
+    memory_mb: int = 512  # address space (RLIMIT_AS)
+    output_bytes: int = 4096  # stdout + stderr the model reads back; past it the program is stopped
+    file_mb: int = 16  # the largest file it may write (RLIMIT_FSIZE); not the number of files
+    open_files: int = 64  # RLIMIT_NOFILE
+    processes: int = 64  # RLIMIT_NPROC, threads included, where the program has a uid of its own (see above)
+
+
+def run_python(code: str, limits: Limits = Limits()) -> tuple[str, bool]:
+    """Run `code` as a Python program in the sandbox. Returns (what the model reads, ok): its stdout then
+    stderr, cut at limits.output_bytes, then a "[sandbox: ...]" line unless it exited with status 0 (ok).
+    Never raises, never outlives limits.timeout_s by more than about a second, and is safe to call from threads."""
+    try:  # fails for what is not a str, and for a lone surrogate (invalid UTF-8 decoded with "surrogateescape")
+        source = code.encode("utf-8")
+    except (AttributeError, UnicodeEncodeError) as error:
+        return f"[sandbox: the code is not valid text ({error}); not run]", False
+    if b"\0" in source:  # Python versions disagree on it (3.11 stops reading there, 3.12 refuses the file)
+        return "[sandbox: the code contains a NUL byte; not run]", False
+    if len(source) > MAX_CODE_BYTES:
+        return f"[sandbox: the code is {len(source)} bytes, over the limit of {MAX_CODE_BYTES}; not run]", False
+    try:
+        active = layers()
+        return _run(source, limits, bwrap="bubblewrap" in active, as_nobody="unprivileged uid" in active)
+    except Exception as error:  # a failure to set up is one more thing the model reads, never the trainer's crash
+        return f"[sandbox: could not run the code: {type(error).__name__}: {error}]", False
+
+
+def layers() -> list[str]:
+    """The layers run_python uses here, weakest first. The first call tries bubblewrap; it warns once if that fails."""
+    with _probe_lock:  # a thread pool's first calls arrive together: probe, and warn, once
+        return list(_probe())
+
+
+@functools.cache
+def _probe() -> tuple[str, ...]:
+    found = ("process", "unprivileged uid") if os.geteuid() == 0 else ("process",)
+    if _BWRAP is None:
+        problem = "is not installed (apt-get install bubblewrap)"
+    else:
+        text, ok = _run(b"", Limits(), bwrap=True, as_nobody="unprivileged uid" in found)
+        if ok:
+            return found + ("bubblewrap",)
+        problem = (f"({_BWRAP}) cannot start a sandbox here ({text.strip()}); allow user namespaces (sysctl"
+                   " kernel.unprivileged_userns_clone=1, or kernel.apparmor_restrict_unprivileged_userns=0 on Ubuntu)")
+    warnings.warn(f"bubblewrap {problem}. Without it the model's code may reach the network and every file its uid"
+                  " may, and a process that leaves its session and environment outlives the call", RuntimeWarning,
+                  stacklevel=3)
+    return found
+
+
+def _run(source: bytes, limits: Limits, bwrap: bool, as_nobody: bool) -> tuple[str, bool]:
+    token = os.urandom(8).hex()  # marks every process of this call (see _kill)
+    with tempfile.TemporaryDirectory(prefix="nanoagent-sandbox-", ignore_cleanup_errors=True) as workdir:
+        with open(os.path.join(workdir, "main.py"), "wb") as file:
+            file.write(source)
+        if as_nobody:  # the work directory is the one place nobody may write
+            os.chown(workdir, NOBODY, NOBODY)
+            os.chown(file.name, NOBODY, NOBODY)
+        env = {"PATH": "/usr/bin:/bin", "HOME": "/sandbox" if bwrap else workdir, "LANG": "C.UTF-8",
+               "NANOAGENT_SANDBOX": token}
+        # Any Python 3 will do: ours, unless nobody or bubblewrap may not reach it (outside /usr): the system's
+        python = os.path.realpath(sys.executable)  # a virtual environment's python links to its base interpreter
+        if (bwrap or as_nobody) and not python.startswith("/usr/"):
+            python = "/usr/bin/python3"
+        # A first program sets the limits, then execs the model's (not Popen's preexec_fn: it can deadlock in threads)
+        rlimits = [("RLIMIT_CPU", limits.cpu_s, limits.cpu_s + 1),  # SIGXCPU first, SIGKILL a second later
+                   ("RLIMIT_AS", limits.memory_mb << 20, limits.memory_mb << 20),
+                   ("RLIMIT_FSIZE", limits.file_mb << 20, limits.file_mb << 20),
+                   ("RLIMIT_NOFILE", limits.open_files, limits.open_files), ("RLIMIT_CORE", 0, 0)]
+        if bwrap or as_nobody:  # RLIMIT_NPROC counts every process and thread of the uid: not where it is ours
+            rlimits.append(("RLIMIT_NPROC", limits.processes, limits.processes))
+        flags = ["-I", "-S", "-u", "-X", "utf8"]  # -u: what it printed before a time-out still comes back
+        prelude = (f"import os, resource\nfor name, soft, hard in {rlimits!r}:\n"
+                   "    resource.setrlimit(getattr(resource, name), (soft, hard))\n"
+                   f"os.execv({python!r}, [{python!r}, *{flags!r}, 'main.py'])\n")
+        argv = [python, *flags, "-c", prelude]
+        if bwrap:  # it passes on the environment Popen gives it, and sets PWD
+            argv = [_BWRAP, "--unshare-user", "--uid", str(NOBODY), "--gid", str(NOBODY),  # not root, even inside
+                    "--unshare-pid", "--die-with-parent",  # a PID namespace of its own, which dies if we do
+                    "--unshare-net", "--unshare-ipc", "--unshare-uts", "--new-session",  # no network, no terminal
+                    "--ro-bind", "/usr", "/usr", "--ro-bind-try", "/bin", "/bin", "--ro-bind-try", "/lib", "/lib",
+                    "--ro-bind-try", "/lib64", "/lib64", "--proc", "/proc", "--dev", "/dev", "--tmpfs", "/tmp",
+                    "--bind", workdir, "/sandbox", "--chdir", "/sandbox", "--", *argv]
+        nobody = {"user": NOBODY, "group": NOBODY, "extra_groups": []} if as_nobody else {}  # bwrap, too, is nobody
+        with subprocess.Popen(argv, cwd=workdir, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, start_new_session=True, **nobody) as proc:  # reaped on exit
+            try:
+                stdout, stderr, stopped = _collect(proc, limits, kill=lambda: _kill(proc, token, bwrap))
+            finally:
+                with contextlib.suppress(ProcessLookupError):  # bwrap, should it still run; the group, in any case
+                    os.killpg(proc.pid, signal.SIGKILL)  # its leader is not reaped yet: the group id is still ours
+    returncode = proc.returncode
+    if bwrap and returncode - 128 in signal.valid_signals():  # bwrap says "killed by signal N" as a shell does,
+        returncode = 128 - returncode  # with exit status 128 + N (so sys.exit(137) reads as SIGKILL there)
+    # What the model reads: the output, then how the program ended, unless it ended well
+    text = (stdout + stderr)[:limits.output_bytes].decode("utf-8", errors="replace")
+    if stopped == "output":
+        note = f"output cut at {limits.output_bytes} bytes; the program was stopped"
+    elif stopped == "time-out":
+        note = f"time-out: the program ran past {limits.timeout_s:g} s and was killed"
+    elif returncode == -signal.SIGXCPU:
+        note = f"CPU time limit: the program used {limits.cpu_s} s of CPU and was killed"
+    elif returncode < 0:
+        note = f"the program was killed by signal {signal.Signals(-returncode).name}"
+    elif returncode:  # a MemoryError is the memory limit, almost always
+        out_of_memory = f": out of memory (the limit is {limits.memory_mb} MB)" if b"MemoryError" in stderr else ""
+        note = f"exit status {returncode}{out_of_memory}"
+    else:
+        return text, True
+    separator = "\n" if text and not text.endswith("\n") else ""
+    return f"{text}{separator}[sandbox: {note}]", False
+
+
+def _collect(proc: subprocess.Popen, limits: Limits, kill) -> tuple[bytes, bytes, str]:
+    """Read stdout and stderr until the program ends: kill() at the time-out, past the output cap, or once it exits
+    (its children may hold the pipes), then wait a second at most. Returns (stdout, stderr, "" or why stopped)."""
+    output = {proc.stdout.fileno(): bytearray(), proc.stderr.fileno(): bytearray()}
+    deadline, stopped, killed = time.monotonic() + limits.timeout_s, "", False
+    exit_fd = os.pidfd_open(proc.pid)  # readable once the program (or bwrap) has exited; it is not reaped
+    try:
+        with selectors.DefaultSelector() as selector:
+            for fd in [*output, exit_fd]:
+                selector.register(fd, selectors.EVENT_READ)
+            while selector.get_map() and not (killed and time.monotonic() > deadline):
+                timeout = deadline - time.monotonic()
+                for key, _ in selector.select(timeout) if timeout > 0 else []:
+                    chunk = os.read(key.fd, 1 << 16) if key.fd != exit_fd else b""
+                    if chunk:
+                        output[key.fd] += chunk
+                    else:  # end of file, or the exit
+                        selector.unregister(key.fd)
+                if not stopped and sum(map(len, output.values())) > limits.output_bytes:
+                    stopped = "output"
+                    for fd in output.keys() & selector.get_map().keys():
+                        selector.unregister(fd)  # read no more, but still wait for the exit
+                if not killed and (stopped or timeout <= 0 or exit_fd not in selector.get_map()):
+                    stopped = stopped or ("time-out" if timeout <= 0 else "")
+                    kill()
+                    killed, deadline = True, time.monotonic() + 1.0  # then stop: one we missed may hold a pipe
+    finally:
+        if not killed:
+            kill()
+        os.close(exit_fd)
+    return bytes(output[proc.stdout.fileno()]), bytes(output[proc.stderr.fileno()]), stopped
+
+
+def _kill(proc: subprocess.Popen, token: str, bwrap: bool) -> None:
+    """SIGKILL the call's process group and every process carrying its token. Under bubblewrap, spare bwrap: the
+    namespace's first process (bwrap's fork) has the token, and its death ends the namespace, then bwrap."""
+    if not bwrap:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+    marker = f"NANOAGENT_SANDBOX={token}".encode()
+    for _ in range(10):  # a process may fork while we look: look again until a pass finds nothing
+        found = False
+        for pid in filter(str.isdigit, os.listdir("/proc")):
+            with contextlib.suppress(OSError), open(f"/proc/{pid}/environ", "rb") as file:  # gone, or not ours
+                if marker in file.read().split(b"\0") and not (bwrap and int(pid) == proc.pid):
+                    os.kill(int(pid), signal.SIGKILL)  # (a dead process's environ reads empty)
+                    found = True
+        if not found:
+            return
