@@ -179,12 +179,17 @@ def test_update_weights_on_the_policy_itself_drops_the_prefix_cache():
             parameter.data.add_(0.05 * torch.randn_like(parameter))
     sampler.update_weights(policy, torch.float32)
     assert sampler.model is policy and sampler.saved == {}
+    assert_next_turn_prefills_everything_again(sampler, policy, first)
+
+
+def assert_next_turn_prefills_everything_again(sampler, model, first):
+    """The turn after `first` on changed weights: no kept keys are reused, and it samples as a fresh sampler."""
     second_turn = [prompt + generation.token_ids + [200] for prompt, generation in zip(PROMPTS, first)]
-    shapes, handle = input_shapes(policy)
+    shapes, handle = input_shapes(model)
     after = sampler.generate(second_turn, 6, temperature=0.0)
     handle.remove()
     assert shapes[0][1] == max(len(prompt) for prompt in second_turn)  # everything prefilled again
-    fresh = TorchSampler(policy).generate(second_turn, 6, temperature=0.0)
+    fresh = TorchSampler(model).generate(second_turn, 6, temperature=0.0)
     assert [g.token_ids for g in after] == [g.token_ids for g in fresh]
 
 
@@ -219,13 +224,7 @@ def test_prefix_cache_is_dropped_when_the_weights_change():
     with torch.no_grad():  # an optimizer step in place, as in training: the kept keys are stale now
         for parameter in model.parameters():
             parameter.add_(0.05 * torch.randn_like(parameter))
-    second_turn = [prompt + generation.token_ids + [200] for prompt, generation in zip(PROMPTS, first)]
-    shapes, handle = input_shapes(model)
-    after = sampler.generate(second_turn, 6, temperature=0.0)
-    handle.remove()
-    assert shapes[0][1] == max(len(prompt) for prompt in second_turn)  # everything prefilled again
-    fresh = TorchSampler(model).generate(second_turn, 6, temperature=0.0)
-    assert [g.token_ids for g in after] == [g.token_ids for g in fresh]
+    assert_next_turn_prefills_everything_again(sampler, model, first)
 
 
 def test_sliding_window_layers_keep_nothing_between_calls():
