@@ -30,13 +30,15 @@ Seeds. Everything is deterministic given the seed. Procedural envs train on seed
 EVAL_SEED_START and evaluate on `eval_seeds(n)`, so no evaluation episode is seen in training.
 SearchQAEnv is separated by dataset split instead.
 """
+import contextlib
 import hashlib
+import io
 import json
 import random
 import re
 import string
 from collections import Counter, deque
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import lru_cache
 from pathlib import Path
 
@@ -132,6 +134,7 @@ class ToolEnv:
     The episode also ends after `max_turns` turns, then with no outcome reward."""
     system_prompt = "Answer the question. Give the final answer as <answer>...</answer>."
     warmup_options = {}  # options of an easier version, for the warm-up's first phase (sft.py)
+    max_new_tokens = 32  # train.py's default budget of one assistant turn
 
     def __init__(self, max_turns=4, outcome_reward=1.0, format_penalty=-0.1, format_reward=0.0,
                  process_reward=0.0, require_think=False, max_calls_per_turn=2, end_on_format_error=False):
@@ -512,6 +515,15 @@ class CalculatorEnv(ToolEnv):
 PYTHON_TOOL = tools.python_tool()  # one tool for every episode, so a turn's programs run as one batch
 
 
+def run_own_program(code: str) -> str:
+    """What one of ComputeEnv's own demonstration programs prints, run in this process. The demonstrations are
+    our code, not a model's, so they need no sandbox; the warm-up runs thousands of them."""
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        exec(code, {})
+    return printed.getvalue()
+
+
 class ComputeEnv(ToolEnv):
     """Questions a small model cannot answer in its head: a product of large numbers, the digit sum of a power,
     a count over a range. The agent writes a short program for the `python` tool, reads what it printed and
@@ -519,6 +531,7 @@ class ComputeEnv(ToolEnv):
     system_prompt = ("Answer the question. Run a short Python program with the python tool that prints the "
                      "result, then give the number as <answer>...</answer>.")
     warmup_options = {"kinds": ["product"]}  # one program shape first (sft.py)
+    max_new_tokens = 96  # a call carries its program
     KINDS = {  # kind -> (question, program, the answer), filled in with the task's numbers a, b, c
         "product": ("What is {a} times {b}?", "print({a} * {b})", lambda a, b: a * b),
         "digit_sum": ("What is the sum of the digits of {a} to the power {b}?",
@@ -536,20 +549,22 @@ class ComputeEnv(ToolEnv):
     def new_task(self, rng):
         self.kind = rng.choice(self.kinds)
         if self.kind == "product":
-            self.numbers = {"a": rng.randint(1000, 99999), "b": rng.randint(1000, 99999)}
+            self.numbers = {"a": rng.randint(100, 999), "b": rng.randint(100, 999)}
         elif self.kind == "digit_sum":
             self.numbers = {"a": rng.randint(2, 99), "b": rng.randint(20, 99)}
         else:
-            start = rng.randint(1, 999)
-            self.numbers = {"a": start, "b": start + rng.randint(1000, 99999), "c": rng.randint(3, 97)}
+            start = rng.randint(1, 99)
+            self.numbers = {"a": start, "b": start + rng.randint(100, 9999), "c": rng.randint(3, 97)}
         question, _, solve = self.KINDS[self.kind]
         return question.format(**self.numbers), [str(solve(**self.numbers))], [PYTHON_TOOL]
 
     def demonstration(self, mistake_rate=0.0, rng=None) -> list[str]:
         """Assistant turns for the current episode (after reset), for sft.py: the kind's program, then the
         number it prints. Each decision goes wrong with probability mistake_rate: a guess without a program,
-        or a digit miscopied into the program (the answer then follows the wrong program)."""
+        or a digit miscopied into the program (the answer then follows the wrong program). The episode's
+        python tool becomes run_own_program."""
         rng = rng or random.Random(0)
+        self.tools = {"python": replace(PYTHON_TOOL, function=run_own_program, batch_function=None)}
         if rng.random() < mistake_rate:
             return [f"<answer>{rng.randint(1, 10 ** len(self.answers[0]))}</answer>"]
         numbers = dict(self.numbers)
@@ -622,6 +637,7 @@ class GameEnv:
     (no <answer>, an unknown action, no leading <think> with `require_think`) executes nothing."""
     rules, actions = "", []
     warmup_options = {}  # as ToolEnv.warmup_options
+    max_new_tokens = 32  # as ToolEnv.max_new_tokens
 
     def __init__(self, max_turns=5, max_actions_per_turn=3, format_penalty=-0.1, require_think=False):
         assert max_turns >= 1 and max_actions_per_turn >= 1, "max_turns and max_actions_per_turn must be >= 1"

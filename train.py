@@ -81,7 +81,7 @@ def get_args(argv=None):
     # Rollout
     add("--prompts_per_step", type=int, default=8, help="env seeds per step, over all ranks")
     add("--group_size", type=int, default=8, help="samples per seed (a GRPO group)")
-    add("--max_new_tokens", type=int, default=32, help="per assistant turn")
+    add("--max_new_tokens", type=int, default=None, help="per assistant turn (default: the env's, 32 or 96)")
     add("--max_total_tokens", type=int, default=512, help="per episode")
     add("--temperature", type=float, default=1.0)
     add("--truncated_reward", default="keep", choices=["keep", "zero"],
@@ -134,6 +134,7 @@ def get_args(argv=None):
     for key, value in {**DEFAULTS, **(STARPO_S if args.starpo_s else {})}.items():
         if getattr(args, key) is None:  # flags the user gave win
             setattr(args, key, value)
+    args.max_new_tokens = args.max_new_tokens or envs.ENVS[args.env].max_new_tokens
     args.kl_estimator = args.kl_estimator or ("k1" if args.kl == "in_reward" else "k3")
     # Dr.GRPO is two changes (Liu et al. 2025): no std division, and each trajectory's token sum divided by
     # a constant (max_total_tokens) instead of by its own length. One without the other keeps a bias.

@@ -13,6 +13,7 @@ from transformers.utils import get_json_schema
 
 import envs
 import tools
+from nanoagent import sandbox
 from nanoagent.common import UserError
 
 DATA = Path(__file__).parent / "data"
@@ -634,8 +635,9 @@ def test_compute_env_answers_are_what_its_programs_print():
         _, tool_schemas = env.reset(seed)
         kinds.add(env.kind)
         program, answer = env.demonstration(0.0)
-        printed = env.step(program).observations[0]["content"]
-        assert printed == env.answers[0] + "\n", (env.question, printed)  # the sandbox agrees with the env
+        printed = env.step(program).observations[0]["content"]  # run in this process (envs.run_own_program)
+        code = tools.parse_tool_calls(program)[0].arguments["code"]
+        assert printed == sandbox.run_python(code)[0] == env.answers[0] + "\n", (env.question, printed)
         result = env.step(answer)
         assert result.done and result.info["success"] and result.reward == 1.0
     assert kinds == set(envs.ComputeEnv.KINDS) and [s["function"]["name"] for s in tool_schemas] == ["python"]
