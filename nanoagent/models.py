@@ -240,6 +240,7 @@ def load_model(name_or_path, device="cpu", dtype=torch.float32):
                              "pass a checkpoint directory written by save_pretrained (a step_* directory of a run)")
     try:
         tokenizer = AutoTokenizer.from_pretrained(path)
+        stored_dtype = AutoConfig.from_pretrained(path).dtype or torch.float32
         model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
     except OSError as error:
         raise UserError(
@@ -250,7 +251,18 @@ def load_model(name_or_path, device="cpu", dtype=torch.float32):
         ) from error
     if not tokenizer.chat_template:
         raise UserError(f"{name_or_path!r} has no chat template: nanoagent needs an instruct/chat model")
+    model.stored_dtype = stored_dtype  # loading sets config.dtype to `dtype`: checkpoints are written in this one
     return model.to(device).eval(), tokenizer
+
+
+def sample_as_trained(model, temperature):
+    """Make model.generation_config (generation_config.json in its checkpoints) say how RL sampled: the training
+    temperature and nothing else. A base model's defaults (Qwen2.5-Instruct: temperature 0.7, top_p 0.8, top_k 20,
+    repetition penalty 1.05) would otherwise apply silently to `model.generate` on a trained checkpoint."""
+    old = model.generation_config
+    model.generation_config = GenerationConfig(do_sample=True, temperature=temperature, top_p=1.0, top_k=0,
+                                               bos_token_id=old.bos_token_id, eos_token_id=old.eos_token_id,
+                                               pad_token_id=old.pad_token_id)
 
 
 def load_critic(name_or_path, device="cpu", dtype=torch.float32):
@@ -264,6 +276,7 @@ def load_critic(name_or_path, device="cpu", dtype=torch.float32):
     config = AutoConfig.from_pretrained(path, num_labels=1)
     is_saved_critic = "ForTokenClassification" in (config.architectures or [""])[0]
     config.classifier_dropout = 0.0  # the default 0.1 would put noise in the values GAE reads
+    stored_dtype = config.dtype or torch.float32  # as in load_model
     verbosity = transformers_logging.get_verbosity()
     transformers_logging.set_verbosity_error()  # silence the expected "score.* newly initialised" report
     critic = AutoModelForTokenClassification.from_pretrained(path, config=config, dtype=dtype)
@@ -272,4 +285,5 @@ def load_critic(name_or_path, device="cpu", dtype=torch.float32):
         torch.nn.init.zeros_(critic.score.weight)
         if critic.score.bias is not None:
             torch.nn.init.zeros_(critic.score.bias)
+    critic.stored_dtype = stored_dtype
     return critic.to(device).eval()

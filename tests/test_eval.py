@@ -209,3 +209,12 @@ def test_chat_at_the_turn_limit_does_not_run_calls_and_the_next_message_follows_
     first, second = sampler.prompts
     call_ids = rollout.encode(tokenizer, call) + [tokenizer.convert_tokens_to_ids("<|im_end|>")]
     assert second == first + call_ids + rollout.observation_tokens(tokenizer, [{"role": "user", "content": "second"}])
+
+
+def test_vllm_memory_reaches_the_engine(monkeypatch):
+    # --vllm_memory is the engine's gpu_memory_utilization, as in train.py (it was fixed at 0.5).
+    import nanoagent.sampler
+    options = {}
+    monkeypatch.setattr(nanoagent.sampler, "VLLMSampler", lambda path, **given: options.update(given))
+    evaluation.make_sampler("vllm", "tiny", 512, vllm_memory=0.7)
+    assert options == {"gpu_memory_utilization": 0.7, "max_model_len": 512}

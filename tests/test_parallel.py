@@ -11,11 +11,12 @@ from pathlib import Path
 
 import pytest
 import torch
+from safetensors import safe_open
 from transformers import AutoModelForCausalLM, AutoModelForTokenClassification
 
 import train
 from nanoagent.checkpoint import latest_checkpoint
-from nanoagent.models import load_model
+from nanoagent.models import load_critic, load_model
 from tests.test_train import BANDIT
 
 REPO = Path(__file__).resolve().parent.parent
@@ -36,6 +37,13 @@ def torchrun(script_and_args, timeout=600):
 
 def metrics(run):
     return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+
+
+def stored_tensors(directory):
+    """{name: (dtype, shape)} of the tensors in an HF directory's model.safetensors."""
+    with safe_open(Path(directory) / "model.safetensors", "pt") as stored:
+        return {name: (stored.get_slice(name).get_dtype(), stored.get_slice(name).get_shape())
+                for name in stored.keys()}
 
 
 def weights(directory, auto_class=AutoModelForCausalLM):
@@ -82,9 +90,12 @@ def test_two_ranks_take_the_same_step_as_one_process(flags, tmp_path, warmed_up)
 def test_sharded_resume_is_exact_on_two_ranks_and_continues_on_one(tmp_path, warmed_up):
     flags = COMMON + ["--algo", "ppo"]  # one full-batch update a step: then 1 process equals 2 ranks
     torchrun(["train.py", *flags, "--out_dir", str(tmp_path / "straight")])
-    # The checkpoint of a 2-rank run is an HF directory with the tie restored.
+    # The checkpoint of a 2-rank run is an HF directory with the tie restored, and the head stored once, as an
+    # unsharded save_pretrained writes it.
     policy = AutoModelForCausalLM.from_pretrained(tmp_path / "straight" / "step_000002")
     assert policy.lm_head.weight.data_ptr() == policy.model.embed_tokens.weight.data_ptr()
+    policy.save_pretrained(tmp_path / "unsharded")
+    assert stored_tensors(tmp_path / "straight" / "step_000002") == stored_tensors(tmp_path / "unsharded")
     shutil.copytree(tmp_path / "straight", tmp_path / "broken")
     shutil.rmtree(tmp_path / "broken" / "step_000002")
     shutil.copytree(tmp_path / "broken", tmp_path / "on_one")
@@ -103,7 +114,7 @@ def test_sharded_resume_is_exact_on_two_ranks_and_continues_on_one(tmp_path, war
 
 PUSH_SCRIPT = """
 import sys, torch, torch.distributed as dist
-from nanoagent.models import load_model
+from nanoagent.models import load_critic, load_model
 from nanoagent.parallel import full_state_dict, shard_model
 from nanoagent.sampler import TorchSampler
 dist.init_process_group("gloo")
@@ -128,7 +139,7 @@ def test_weight_push_from_two_ranks_gives_every_sampler_the_full_weights(tmp_pat
     torchrun([str(script), str(tmp_path)])
     gathered = torch.load(tmp_path / "gathered.pt")
     reference, _ = load_model("tiny")
-    assert set(gathered) == set(reference.state_dict())  # the tied head too: vLLM keeps its own
+    assert set(gathered) == set(reference.state_dict()) - {"lm_head.weight"}  # the tied head once, as HF saves it
     # One process, the same update on the same (concatenated) batch, on the plain model.
     optimizer = torch.optim.SGD(reference.parameters(), lr=0.1)
     input_ids = torch.cat([torch.arange(10, 30).view(2, 10), torch.arange(15, 35).view(2, 10)])
@@ -138,7 +149,7 @@ def test_weight_push_from_two_ranks_gives_every_sampler_the_full_weights(tmp_pat
         pushed = torch.load(tmp_path / f"sampler-{rank}.pt")
         assert torch.equal(pushed["lm_head.weight"], pushed["model.embed_tokens.weight"])
         for name, tensor in reference.state_dict().items():
-            assert torch.equal(pushed[name], gathered[name]), name
+            assert torch.equal(pushed[name], gathered[name.replace("lm_head", "model.embed_tokens")]), name
             assert torch.allclose(pushed[name], tensor, atol=1e-6, rtol=0), name
 
 
@@ -163,3 +174,114 @@ def test_fp32_master_weights_move_at_lr_1e6_where_bf16_weights_do_not():
         moved = sum((after != start).sum().item() for after, start in zip(layers, before))
         changed[name] = moved / sum(parameter.numel() for parameter in layers)
     assert changed["fp32 master"] > 0.9 and changed["pure bf16"] < 0.1, changed
+
+
+CRITIC_SCRIPT = """
+import sys, warnings, torch, torch.distributed as dist
+import train
+from nanoagent.models import load_critic
+dist.init_process_group("gloo")
+rank = dist.get_rank()
+critic = load_critic("tiny").train()
+torch.nn.init.normal_(critic.score.weight, std=0.1, generator=torch.Generator().manual_seed(0))  # not 0: grads flow
+critic = train.shard_model(critic, torch.device("cpu"))
+input_ids = torch.load(sys.argv[1] + "/input_ids.pt")[2 * rank:2 * rank + 2]  # this rank's half of the batch
+with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    for prompt_lengths in (None, torch.tensor([5, 5])):  # a plain pass, and a shared prompt
+        values = train.critic_values(critic, input_ids, torch.ones_like(input_ids), prompt_lengths)
+        values[:, 4:].square().sum().backward()  # summed over ranks by FSDP
+grads = {name: parameter.grad.full_tensor() for name, parameter in critic.named_parameters()}
+if rank == 0:
+    torch.save({"grads": grads, "warnings": [str(warning.message) for warning in caught]}, sys.argv[1] + "/out.pt")
+dist.destroy_process_group()
+"""
+
+
+def test_sharded_critic_has_the_unsharded_gradients_and_returns_no_view(tmp_path):
+    # FSDP2 hooks the backward pass onto the root's output; a view output invites an in-place op that would drop
+    # the hook (and FSDP2 warns). critic_values returns none, and its gradients equal one process's.
+    input_ids = torch.randint(10, 800, (4, 12), generator=torch.Generator().manual_seed(0))
+    input_ids[1, :5], input_ids[3, :5] = input_ids[0, :5], input_ids[2, :5]  # rows share their prompt in pairs
+    torch.save(input_ids, tmp_path / "input_ids.pt")
+    script = tmp_path / "critic.py"
+    script.write_text(CRITIC_SCRIPT)
+    torchrun([str(script), str(tmp_path)])
+    sharded = torch.load(tmp_path / "out.pt")
+    assert not [message for message in sharded["warnings"] if "view" in message], sharded["warnings"]
+    critic = load_critic("tiny").train()
+    torch.nn.init.normal_(critic.score.weight, std=0.1, generator=torch.Generator().manual_seed(0))
+    for prompt_lengths in (None, torch.tensor([5, 5, 5, 5])):
+        values = train.critic_values(critic, input_ids, torch.ones_like(input_ids), prompt_lengths)
+        values[:, 4:].square().sum().backward()
+    for name, parameter in critic.named_parameters():
+        largest = parameter.grad.abs().max()  # float32 sums in another order: equal to 1e-6 of the largest entry
+        assert largest > 0 and (sharded["grads"][name] - parameter.grad).abs().max() <= 1e-6 * largest, name
+
+
+# Qwen2.5-0.5B-Instruct's config with 2 of its 24 layers: the real vocabulary (the LM head is most of a step's
+# work at this size), heads, tied embedding, bf16 storage, sampling defaults, tokenizer and chat template.
+QWEN25_05B_FEW_LAYERS = dict(vocab_size=151936, hidden_size=896, intermediate_size=4864, num_hidden_layers=2,
+                             num_attention_heads=14, num_key_value_heads=2, max_position_embeddings=32768,
+                             rope_theta=1000000.0, rms_norm_eps=1e-6, tie_word_embeddings=True, bos_token_id=151643,
+                             eos_token_id=151645, dtype="bfloat16")
+
+REHEARSAL_SCRIPT = """
+import dataclasses, sys
+import envs, train
+
+class ParityEnv(envs.BanditEnv):
+    '''The bandit's prompt, scored by the parity of the reply's length: an untrained model's group members score
+    differently (it never writes <answer>, so the bandit would score them all -0.1 and GRPO's advantages be 0).'''
+    def step(self, text):
+        return dataclasses.replace(super().step(text), reward=float(len(text) % 2))
+
+envs.ENVS["parity"] = ParityEnv
+train.main(sys.argv[1:])
+"""
+
+
+def qwen25_few_layers():
+    """The model above with random weights, saved in bf16 as Qwen2.5 ships (cached)."""
+    from transformers import GenerationConfig, Qwen2Config, Qwen2ForCausalLM
+
+    from nanoagent.checkpoint import save_atomically
+    from nanoagent.models import cache_dir
+    from tests.qwen25_tokenizer import qwen25_tokenizer
+    path = cache_dir() / "qwen2.5-0.5b-2-layers"
+    if not (path / "config.json").exists():
+        torch.manual_seed(0)
+        model = Qwen2ForCausalLM(Qwen2Config(**QWEN25_05B_FEW_LAYERS)).to(torch.bfloat16)
+        model.generation_config = GenerationConfig(do_sample=True, temperature=0.7, top_p=0.8, top_k=20,
+                                                   repetition_penalty=1.05, eos_token_id=[151645, 151643],
+                                                   pad_token_id=151643, bos_token_id=151643)
+        tokenizer = qwen25_tokenizer()
+        save_atomically(path, lambda directory: [part.save_pretrained(directory) for part in (model, tokenizer)])
+    return path
+
+
+def test_rehearsal_at_qwen25_shapes_grpo_vllm_two_ranks_save_resume(tmp_path):
+    # What a GPU user's first run does, on CPU: GRPO whose groups' rewards differ (so the weights move), the vLLM
+    # sampler given the changed weights each step, 2 ranks, checkpoints, a resume, and the HF export loaded back.
+    pytest.importorskip("vllm")
+    script = tmp_path / "rehearsal.py"
+    script.write_text(REHEARSAL_SCRIPT)
+    flags = ["--model", str(qwen25_few_layers()), "--warmup_steps", "0", "--env", "parity", "--sampler", "vllm",
+             "--steps", "2", "--save_every", "1", "--prompts_per_step", "2", "--group_size", "4", "--max_turns", "1",
+             "--max_new_tokens", "8", "--max_total_tokens", "128", "--eval_every", "0", "--lr", "1e-4"]
+    torchrun([str(script), *flags, "--out_dir", str(tmp_path / "straight")])
+    history = metrics(tmp_path / "straight")
+    assert all(h["group_reward_std"] > 0 and h["grad_norm"] > 0 for h in history), history
+    # Step 2 sampled from the weights step 1 changed and pushed: the engine's log-probs are the trainer's.
+    assert all(h["logprob_mismatch"] <= 1e-5 for h in history), [h["logprob_mismatch"] for h in history]
+    exported = tmp_path / "straight" / "step_000002"
+    policy = AutoModelForCausalLM.from_pretrained(exported)
+    assert policy.lm_head.weight.data_ptr() == policy.model.embed_tokens.weight.data_ptr()
+    assert policy.dtype == torch.bfloat16 and "lm_head.weight" not in stored_tensors(exported)
+    start = AutoModelForCausalLM.from_pretrained(qwen25_few_layers())
+    assert not torch.equal(policy.model.embed_tokens.weight, start.model.embed_tokens.weight)  # trained
+    # Step 2 again from step 1's checkpoint (its fp32 masters and optimizer shards): the same step, to the bit.
+    shutil.copytree(tmp_path / "straight", tmp_path / "resumed")
+    shutil.rmtree(tmp_path / "resumed" / "step_000002")
+    torchrun([str(script), *flags, "--out_dir", str(tmp_path / "resumed"), "--resume"])
+    assert_close_runs(tmp_path / "straight", tmp_path / "resumed", atol=0)

@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import safetensors.torch
 import torch
 
 import train
@@ -346,6 +347,32 @@ def test_resume_gives_the_same_weights_as_an_unbroken_run(tmp_path, single_threa
         train.main(common + ["--steps", "4", "--out_dir", str(tmp_path / "straight")])
     with pytest.raises(UserError, match=r"other flags \(--lr 0.001 -> 0.002\)"):  # nor continue it as another run
         train.main(common + ["--steps", "6", "--out_dir", str(tmp_path / "straight"), "--resume", "--lr", "2e-3"])
+
+
+def test_a_bf16_checkpoint_exports_in_bf16_and_resumes_exactly_from_the_fp32_masters(tmp_path, single_thread):
+    # As Qwen2.5 ships: weights stored in bf16, and base-model sampling defaults in generation_config.json.
+    model, tokenizer = load_model(train.warm_up(train.get_args(BANDIT)))  # groups whose rewards differ
+    model.generation_config.update(do_sample=True, temperature=0.7, top_p=0.8, top_k=20, repetition_penalty=1.05)
+    model.to(torch.bfloat16).save_pretrained(tmp_path / "bf16")
+    tokenizer.save_pretrained(tmp_path / "bf16")
+    flags = BANDIT + ["--model", str(tmp_path / "bf16"), "--warmup_steps", "0", "--steps", "2", "--save_every", "1",
+                      "--temperature", "0.9"]
+    straight, _ = train.main(flags + ["--out_dir", str(tmp_path / "straight")])
+    exported = tmp_path / "straight" / "step_000002"
+    assert json.loads((exported / "config.json").read_text())["dtype"] == "bfloat16"
+    stored = safetensors.torch.load_file(exported / "model.safetensors")
+    assert {tensor.dtype for tensor in stored.values()} == {torch.bfloat16} and "lm_head.weight" not in stored
+    sampling = json.loads((exported / "generation_config.json").read_text())
+    assert (sampling["temperature"], sampling["top_p"], sampling["top_k"]) == (0.9, 1.0, 0)
+    assert sampling.get("repetition_penalty", 1.0) == 1.0
+    masters = parameters_of(straight)
+    assert all(tensor.dtype == torch.float32 for tensor in masters.values())
+    assert any(not torch.equal(tensor, tensor.bfloat16().float()) for tensor in masters.values())  # not in the export
+    shutil.copytree(tmp_path / "straight", tmp_path / "broken")
+    shutil.rmtree(tmp_path / "broken" / "step_000002")
+    resumed, _ = train.main(flags + ["--out_dir", str(tmp_path / "broken"), "--resume"])
+    for name, tensor in parameters_of(resumed).items():
+        assert torch.equal(tensor, masters[name]), name
 
 
 def test_resume_after_lost_steps_logs_each_step_once(tmp_path):
