@@ -195,3 +195,23 @@ def test_train_with_vllm_sampler_keeps_sampler_and_trainer_in_sync(tmp_path):
     assert [h["step"] for h in history] == [1, 2, 3]
     assert all(h["logprob_mismatch"] <= 1e-5 for h in history), [h["logprob_mismatch"] for h in history]
     assert history[-1]["grad_norm"] > 0
+
+
+def test_a_bf16_engine_against_the_fp32_trainer_gives_a_real_mismatch_and_bounded_tis_weights(tmp_path):
+    # The GPU's situation on a CPU (NANOAGENT_CPU_BF16=1): vLLM samples in bf16, the single-process trainer scores in
+    # float32. Their log-probs now differ by bf16 rounding, as on a GPU, and --tis_cap weighs each token by the
+    # capped ratio: near 1, never above the cap.
+    from vllm.platforms import current_platform
+    if torch.bfloat16 not in current_platform.supported_dtypes:
+        pytest.skip(f"vLLM has no bf16 on this CPU ({current_platform.get_cpu_architecture()})")
+    out_dir = tmp_path / "run"
+    command = [sys.executable, "train.py", "--sampler", "vllm", "--warmup_steps", "0", "--steps", "2",
+               "--entropy_coef", "0.01", "--tis_cap", "2", "--prompts_per_step", "2", "--group_size", "4",
+               "--eval_every", "0", "--out_dir", str(out_dir)]
+    finished = subprocess.run(command, cwd=REPO, capture_output=True, text=True,
+                              env=dict(os.environ, NANOAGENT_CPU_BF16="1"))
+    assert finished.returncode == 0, finished.stderr[-3000:]
+    history = [json.loads(line) for line in (out_dir / "metrics.jsonl").read_text().splitlines()]
+    assert all(1e-4 < h["logprob_mismatch"] < 0.1 for h in history), [h["logprob_mismatch"] for h in history]
+    assert all(h["tis_weight_max"] <= 2 and abs(h["tis_weight_mean"] - 1) < 0.05 for h in history), history
+    assert all(h["tis_capped_fraction"] < 0.05 for h in history), history
