@@ -86,22 +86,22 @@ def gather_objects(objects):
 
 
 def full_weights(model, dtype=None):
-    """Yield (HF name, full tensor) for every parameter and persistent buffer of model, cast to dtype if given, one
+    """Yield (HF name, full tensor) for every entry of model's state dict, cast to dtype if given, one parameter
     at a time: never the whole model at once. Every rank must consume it to the end, in the same order (each
-    sharded parameter is one all-gather). A tied parameter comes once, under its first name (the embedding, not
-    lm_head.weight), as save_pretrained writes it and vLLM loads it: the tied head is not gathered twice."""
-    owned = {name for name, _ in model.named_parameters()} | {name for name, _ in model.named_buffers()}
+    sharded parameter is one all-gather). A tied LM head comes under its own name too: vLLM needs it (a push
+    without it leaves the engine's head at the old weights; tests/test_vllm_sampler.py catches that)."""
     for name, tensor in model.state_dict().items():
-        if name in owned:  # named_parameters() lists a shared parameter once; state_dict() under every name
-            full = tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
-            yield name, full if dtype is None else full.to(dtype)
+        full = tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
+        yield name, full if dtype is None else full.to(dtype)
 
 
 def full_state_dict(model, dtype=None):
     """The whole state dict on CPU on rank 0 ({} on other ranks), in dtype if given, gathered parameter by
-    parameter, a tied parameter once."""
+    parameter, a tied parameter once under its first name, as save_pretrained writes it: it drops a tied copy
+    only when it sees the tie, which it does not in gathered tensors (a sharded model's would be stored twice)."""
     master = not is_sharded() or dist.get_rank() == 0
-    return {name: tensor.cpu() for name, tensor in full_weights(model, dtype) if master}
+    owned = {name for name, _ in model.named_parameters()} | {name for name, _ in model.named_buffers()}
+    return {name: tensor.cpu() for name, tensor in full_weights(model, dtype) if master and name in owned}
 
 
 def clip_gradients(model, max_norm):

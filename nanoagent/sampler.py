@@ -322,7 +322,7 @@ class VLLMSampler:
             self.llm.wake_up(tags=["weights"])  # weights first, so the load below writes into live memory
         # HF names; vLLM maps and fuses them (q, k, v -> qkv). reload_weights re-runs the whole load (initialise,
         # load, repack): a second load_weights fails on the CPU, whose linear layers repack after loading. A tied
-        # head comes as the embedding only, as in Qwen2.5's own checkpoint files.
+        # lm_head.weight is pushed too (full_weights yields it): vLLM keeps its own head.
         self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": full_weights(policy, dtype),
                                                           "is_checkpoint_format": True})
         if self.sleeping:
