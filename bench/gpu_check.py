@@ -14,8 +14,10 @@ without vLLM, `pip install -r requirements-dev.txt` is enough):
 4. the samplers' tokens/s on the GPU (bench/bench_sampler.py): TorchSampler, model.generate, and
    VLLMSampler when vLLM is installed;
 5. the FSDP2 bf16-mixed path on its own: PPO with a critic and a KL reference, activation checkpointing,
-   a checkpoint at step 2 and a resume to step 3 (sharded optimizer state), then the HF checkpoint loaded
-   with AutoModelForCausalLM. Every GPU run takes this path (a single GPU is a 1-rank FSDP2 group).
+   a checkpoint at step 2 and a resume to step 3 (sharded optimizer state and fp32 masters), FSDP2's
+   warning of a view returned by a sharded root made an error, then the HF checkpoint loaded with
+   AutoModelForCausalLM: tie restored, the head stored once, the sampling train.py used in
+   generation_config.json. Every GPU run takes this path (a single GPU is a 1-rank FSDP2 group).
 The model has Qwen2.5-0.5B's shape (24 layers, width 896) with random weights and the tiny model's
 tokenizer, built here, so nothing is downloaded; it skips the warm-up, so it fails the tasks, and its
 turns run to their token limit: this measures speed, not learning.
@@ -65,14 +67,17 @@ def main():
             print("\nvLLM is not installed: the VLLMSampler runs are skipped (pip install -r requirements-gpu.txt)")
     run([sys.executable, "bench/bench_sampler.py", "--device", "cuda"])
     with tempfile.TemporaryDirectory() as out_dir:
-        fsdp = [sys.executable, "train.py", "--device", "cuda", "--warmup_steps", "0", "--algo", "ppo", "--kl", "loss",
-                "--activation_checkpointing", "--eval_every", "0", "--save_every", "2", "--out_dir", out_dir]
+        fsdp = [sys.executable, "-W", "error:FSDP2-wrapped module:UserWarning", "train.py", "--device", "cuda",
+                "--warmup_steps", "0", "--algo", "ppo", "--kl", "loss", "--activation_checkpointing", "--eval_every",
+                "0", "--save_every", "2", "--out_dir", out_dir]
         run(fsdp + ["--steps", "2"])
         run(fsdp + ["--steps", "3", "--resume"])
         load_and_check_the_tie = (
-            "import sys, transformers; model = transformers.AutoModelForCausalLM.from_pretrained(sys.argv[1]); "
-            "assert model.lm_head.weight.data_ptr() == model.model.embed_tokens.weight.data_ptr(); "
-            "print('HF checkpoint loads, tie restored')")
+            "import sys, transformers, safetensors.torch; model = transformers.AutoModelForCausalLM.from_pretrained("
+            "sys.argv[1]); assert model.lm_head.weight.data_ptr() == model.model.embed_tokens.weight.data_ptr(); "
+            "assert 'lm_head.weight' not in safetensors.torch.load_file(sys.argv[1] + '/model.safetensors'); "
+            "assert (model.generation_config.temperature, model.generation_config.top_p) == (1.0, 1.0); "
+            "print('HF checkpoint loads, tie restored, head stored once, sampling as trained')")
         run([sys.executable, "-c", load_and_check_the_tie, f"{out_dir}/step_000003"])
 
 
