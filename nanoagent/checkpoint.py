@@ -9,10 +9,10 @@
         manifest.json         every file above with its size, written last: the mark of a complete checkpoint
 
 The policy directory is an ordinary HF checkpoint, so `eval.py --model out_dir/step_000100` and vLLM load
-it directly. It is written in the dtype the model came in (bf16 for Qwen2.5, whose users expect
-a bf16 model, half the size), with each tied parameter once; training's fp32 master weights go to optimizer/
-with the optimizer states, so `--resume` continues from them exactly. Those shards load back on another number
-of ranks (or into one unsharded process).
+it directly. It is written in the dtype the model came in (bf16 for Qwen2.5: what its users expect, and half
+the size), each tied parameter once; training's fp32 master weights go to optimizer/ with the optimizer states,
+so `--resume` continues from them exactly. Those shards load back on another number of ranks (or into one
+unsharded process).
 A save goes to a temporary directory, is flushed to disk, and only then is renamed into place, so a process
 killed mid-save (or a full disk) leaves the earlier checkpoints as they were.
 """
