@@ -260,21 +260,18 @@ def qwen25_few_layers():
     return path
 
 
-def test_rehearsal_at_qwen25_shapes_grpo_vllm_two_ranks_save_resume(tmp_path):
+def test_rehearsal_at_qwen25_shapes_grpo_vllm_two_ranks_save(tmp_path):
     # What a GPU user's first run does, on CPU: GRPO whose groups' rewards differ (so the weights move), the vLLM
-    # sampler given the changed weights, 2 ranks, a checkpoint, a resume, and the HF export loaded back. (Resume's
-    # exactness from bf16 exports is test_train.py's; here each leg costs an engine start at 152k vocabulary.)
+    # sampler given the changed weights (step 2 samples after step 1's push), 2 ranks, checkpoints, and the HF
+    # export loaded back. (Resume from a bf16 export is test_train.py's: each leg here costs engine starts at a
+    # 152k vocabulary, and the suite's time is bounded.)
     pytest.importorskip("vllm")
     script = tmp_path / "rehearsal.py"
     script.write_text(REHEARSAL_SCRIPT)
-    flags = ["--model", str(qwen25_few_layers()), "--warmup_steps", "0", "--env", "parity", "--sampler", "vllm",
-             "--save_every", "1", "--prompts_per_step", "2", "--group_size", "4", "--max_turns", "1",
-             "--max_new_tokens", "8", "--max_total_tokens", "128", "--eval_every", "0", "--lr", "1e-4",
-             "--out_dir", str(tmp_path / "run")]
-    torchrun([str(script), *flags, "--steps", "1"])
-    # Step 2 in new processes: the engines start from step 1's bf16 export, are given the fp32 masters, and
-    # sample what the trainer scores.
-    torchrun([str(script), *flags, "--steps", "2", "--resume"])
+    torchrun([str(script), "--model", str(qwen25_few_layers()), "--warmup_steps", "0", "--env", "parity",
+              "--sampler", "vllm", "--save_every", "1", "--prompts_per_step", "2", "--group_size", "4",
+              "--max_turns", "1", "--max_new_tokens", "8", "--max_total_tokens", "128", "--eval_every", "0",
+              "--lr", "1e-4", "--out_dir", str(tmp_path / "run"), "--steps", "2"])
     history = metrics(tmp_path / "run")
     assert [h["step"] for h in history] == [1, 2]
     assert all(h["group_reward_std"] > 0 and h["grad_norm"] > 0 for h in history), history
