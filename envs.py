@@ -38,7 +38,7 @@ import random
 import re
 import string
 from collections import Counter, deque
-from dataclasses import dataclass, replace
+from dataclasses import asdict, dataclass, replace
 from functools import lru_cache
 from pathlib import Path
 
@@ -59,7 +59,7 @@ class StepResult:
     observations: list[dict]  # messages to append after the assistant turn: role "tool" or "user"
     reward: float
     done: bool
-    info: dict  # this step's success, tool_calls, invalid_calls, format_error; QA envs: answer, em, f1
+    info: dict  # this step's success, tool_calls, invalid_calls, format_error; QA envs: answer, em, f1, calls
 
 # -----------------------------------------------------------------------------
 # Scoring answers: SQuAD-style exact match, token F1 and substring match
@@ -185,7 +185,8 @@ class ToolEnv:
     def finish_turn(self, results: list[tuple[str, bool]]) -> StepResult:
         """The second half: (output, ok) of each call read_turn returned -> the StepResult."""
         info = {"success": False, "tool_calls": len(self.calls), "invalid_calls": 0, "format_error": False,
-                "answer": self.answer, "em": 0.0, "f1": 0.0, "substring_em": 0.0}
+                "answer": self.answer, "em": 0.0, "f1": 0.0, "substring_em": 0.0,
+                "calls": [asdict(call) for call in self.calls]}  # as parsed, errors included (for the report)
         observations = []
         if self.answer is not None:
             info.update(self.score(self.answer))

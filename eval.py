@@ -23,12 +23,14 @@ Chat. The user's messages replace the env's question; the tools are those of --e
 agent's tool calls run live, token in, token out, until it writes no call.
 """
 import argparse
+import dataclasses
 import gc
 import json
 import math
 import statistics
 import sys
 from collections import defaultdict
+from pathlib import Path
 
 from tqdm import tqdm
 from transformers import AutoTokenizer
@@ -36,9 +38,9 @@ from transformers import AutoTokenizer
 import envs
 import rollout
 import tools
-from masks import AGENT_COLOR, ENV_COLOR, RESET
 from nanoagent import common, models
 from nanoagent.common import UserError
+from nanoagent.report import TRAJECTORIES, append_jsonl, trajectory_records
 from nanoagent.sampler import TorchSampler
 
 # -----------------------------------------------------------------------------
@@ -125,16 +127,22 @@ SETTINGS = {"tools": lambda env: env, "naive_rag": lambda env: BaselineEnv(env, 
 
 
 def evaluate(sampler, tokenizer, make_env, seeds, samples=1, temperature=0.0, max_new_tokens=256,
-             max_total_tokens=4096, seeds_per_batch=64, sample_seed=0, progress=True) -> dict:
-    """Plays `samples` episodes per seed with rollout.rollout (batched by seeds) and returns summarize()'s row."""
+             max_total_tokens=4096, seeds_per_batch=64, sample_seed=0, progress=True, save_as=None) -> dict:
+    """Plays `samples` episodes per seed with rollout.rollout (batched by seeds) and returns summarize()'s row.
+    save_as=(directory, label): also append the episodes to directory/trajectories.jsonl under that label."""
     assert temperature > 0 or samples == 1, "greedy decoding (temperature 0) gives identical samples: use --samples 1"
     seeds, trajectories = list(seeds), []
     max_turns = make_env().max_turns
     for start in tqdm(range(0, len(seeds), seeds_per_batch), desc="eval batches", disable=not progress):
-        trajectories += rollout.rollout(sampler, tokenizer, make_env, seeds[start:start + seeds_per_batch], samples,
-                                        max_turns, max_new_tokens, max_total_tokens, temperature=temperature,
-                                        sample_seed=sample_seed)
+        batch = rollout.rollout(sampler, tokenizer, make_env, seeds[start:start + seeds_per_batch], samples, max_turns,
+                                max_new_tokens, max_total_tokens, temperature=temperature, sample_seed=sample_seed)
+        trajectories += [dataclasses.replace(t, group_id=start + t.group_id) for t in batch]  # numbered over all
+    if save_as:
+        append_jsonl(Path(save_as[0]) / TRAJECTORIES, trajectory_records(trajectories, tokenizer, save_as[1]))
     return summarize(trajectories)
+
+
+AGENT_COLOR, ENV_COLOR, RESET = "\033[32m", "\033[90m", "\033[0m"  # chat in a terminal: agent green, tools grey
 
 
 def chat(sampler, tokenizer, env, seed=0, max_turns=4, max_new_tokens=256, max_total_tokens=4096,
@@ -236,10 +244,14 @@ def main(argv=None):
     # Output and modes
     add("--baselines", action="store_true", help="add naive_rag and no_retrieval rows per model")
     add("--json", default=None, help="also write the rows to this JSON file")
+    add("--trajectories", default=None, help="also write every episode to this directory's trajectories.jsonl, "
+        "as train.py does (python -m nanoagent.report DIR shows them)")
     add("--chat", action="store_true", help="talk to the (first) model with --env's tools for --seed")
     add("--seed", type=int, default=0, help="chat: the env seed whose tools (KB) are used")
     args = parser.parse_args(argv)
 
+    if args.trajectories:
+        Path(args.trajectories).mkdir(parents=True, exist_ok=True)
     sampler_kind = args.sampler or ("vllm" if common.autodetect_device_type() == "cuda" else "torch")
     make_env = make_env_from_flags(args)
     if args.chat:
@@ -263,9 +275,11 @@ def main(argv=None):
         for setting in settings:
             for temperature in args.temperature:
                 samples = args.samples if temperature > 0 else 1
-                print(f"{model_name} | {setting} | temperature {temperature} | {len(seeds)} seeds x {samples}")
+                label = f"{model_name} | {setting} | temperature {temperature}"
+                print(f"{label} | {len(seeds)} seeds x {samples}")
                 row = evaluate(sampler, tokenizer, lambda: SETTINGS[setting](make_env()), seeds, samples, temperature,
-                               args.max_new_tokens, args.max_total_tokens, args.seeds_per_batch)
+                               args.max_new_tokens, args.max_total_tokens, args.seeds_per_batch,
+                               save_as=args.trajectories and (args.trajectories, label))
                 rows.append({"model": model_name, "setting": setting, "temp": temperature, **row})
         del sampler  # free the model (or the vLLM engine's memory) before the next one loads
         gc.collect()

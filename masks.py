@@ -42,8 +42,8 @@ is left off the mask.
 Estimators: GAE (PPO, with a critic), GRPO / Dr.GRPO (group-relative, one score per trajectory),
 REINFORCE++ (discounted return-to-go, whitened over the batch). Plus the masked reductions the loss needs
 (loss aggregation modes, KL estimators), `collate` (rollout's trajectories as the (B, T) tensors the trainer
-reads, masks and placed rewards included) and a renderer that prints who wrote what. This file imports
-nothing from the project: rollout.py makes trajectories, this file reads them.
+reads, masks and placed rewards included). This file imports nothing from the project: rollout.py makes
+trajectories, this file reads them (and nanoagent/report.py shows who wrote what).
 All per-token tensors are (B, T): B trajectories, T token positions, padding has mask 0.
 """
 
@@ -265,35 +265,3 @@ def reinforce_pp_advantages(token_rewards, action_mask, gamma, global_sum=None):
         next_return = torch.where(mask[:, t], token_rewards[:, t] + gamma * next_return, next_return)
         returns[:, t] = torch.where(mask[:, t], next_return, 0.0)
     return masked_whiten(returns, action_mask, global_sum=global_sum)
-
-
-# -----------------------------------------------------------------------------
-# Rendering
-
-AGENT_COLOR, ENV_COLOR, REWARD_COLOR, RESET = "\033[32m", "\033[90m", "\033[1;33m", "\033[0m"
-
-
-def render_trajectory(token_ids, action_mask, tokenizer, token_rewards=None, color=True):
-    """One trajectory as text with its authors visible: agent tokens green and environment tokens grey
-    (color=True), or environment text in [env]...[/env] (color=False); a nonzero reward prints as ⟨+1.00⟩
-    after its token. token_ids and action_mask are (T,); token_rewards (T,) or None."""
-    token_ids = torch.as_tensor(token_ids).tolist()
-    is_agent = torch.as_tensor(action_mask).bool().tolist()
-    rewards = [0.0] * len(token_ids) if token_rewards is None else torch.as_tensor(token_rewards).tolist()
-    assert len(token_ids) == len(is_agent) == len(rewards), "token_ids, action_mask, token_rewards differ in length"
-    # Cut the sequence into pieces of one author that end at an author change or a reward, and decode each
-    # piece whole (decoding token by token would split multi-byte characters of byte-level BPE).
-    pieces, start = [], 0
-    for t in range(len(token_ids)):
-        if t + 1 == len(token_ids) or is_agent[t + 1] != is_agent[t] or rewards[t] != 0:
-            pieces.append((tokenizer.decode(token_ids[start:t + 1]), is_agent[t], rewards[t]))
-            start = t + 1
-    out = []
-    for text, agent, reward in pieces:
-        if color:
-            out.append((AGENT_COLOR if agent else ENV_COLOR) + text + RESET)
-        else:
-            out.append(text if agent else f"[env]{text}[/env]")
-        if reward != 0:
-            out.append(f"{REWARD_COLOR}⟨{reward:+.2f}⟩{RESET}" if color else f"⟨{reward:+.2f}⟩")
-    return "".join(out)

@@ -70,6 +70,7 @@ class Trajectory:
     prompt_length: int  # number of opening prompt tokens
     turn_rewards: list[float]  # one env step reward per agent turn
     turn_end_positions: list[int]  # index of the last agent token of each turn (where its reward goes)
+    turn_infos: list[dict]  # each turn's step info (a ToolEnv's holds the tool calls it parsed)
     score: float  # sum of turn_rewards
     group_id: int  # index of the env seed: trajectories with the same group_id form a GRPO group
     seed: int  # the env seed
@@ -201,8 +202,8 @@ def rollout(sampler, tokenizer, make_env, seeds, group_size, max_turns, max_new_
             messages, tools = env.reset(seed, episode=member)
             prompt = encode_chat(tokenizer, messages, tools, add_generation_prompt=True)
             trajectory = Trajectory(token_ids=[], action_mask=[], logprobs=[], prompt_length=len(prompt),
-                                    turn_rewards=[], turn_end_positions=[], score=0.0, group_id=group_id, seed=seed,
-                                    truncated=False, num_turns=0, messages=list(messages),
+                                    turn_rewards=[], turn_end_positions=[], turn_infos=[], score=0.0, group_id=group_id,
+                                    seed=seed, truncated=False, num_turns=0, messages=list(messages),
                                     info={"success": False, "tool_calls": 0, "invalid_calls": 0, "format_errors": 0})
             append(trajectory, prompt, 0)
             trajectory.truncated = len(prompt) >= max_total_tokens  # not even one token fits: scores 0, no turn
@@ -231,6 +232,7 @@ def rollout(sampler, tokenizer, make_env, seeds, group_size, max_turns, max_new_
         still_active = []
         for (env, trajectory, member), closing, result in zip(active, closings, results):
             trajectory.turn_rewards.append(result.reward)
+            trajectory.turn_infos.append(result.info)
             info = trajectory.info
             trajectory.info = {**result.info, "tool_calls": info.get("tool_calls", 0) + result.info["tool_calls"],
                                "invalid_calls": info.get("invalid_calls", 0) + result.info["invalid_calls"],

@@ -48,6 +48,7 @@ from nanoagent.common import (UserError, autodetect_dtype, compute_cleanup, comp
 from nanoagent.models import load_critic, load_model, resolve_model_path, sample_as_trained
 from nanoagent.parallel import (clip_gradients, forward_through_root, gather_objects, is_sharded, shard_model,
                                 sum_over_ranks, sums_over_ranks)
+from nanoagent.report import TRAJECTORIES, append_jsonl, trajectory_records
 from nanoagent.sampler import TorchSampler
 
 # -----------------------------------------------------------------------------
@@ -495,11 +496,15 @@ def policy_loss(logprobs, old_logprobs, advantages, mask, clip_low, clip_high, l
 # Step 7: metrics, monitors, eval, checkpoint
 
 
-def end_of_step(run, args, step, trajectories, kept, shares, overall, progress):
-    """Log the step, watch for the Echo Trap, evaluate and checkpoint when due. The update's numbers are
-    lists, one number per update, logged as their mean (0.0 when empty: a critic warm-up step): `shares`
-    of a batch mean, summed over ranks, and `overall` ones, the same on every rank."""
+def end_of_step(run, args, step, trajectories, kept, scored, shares, overall, progress):
+    """Log the step, keep a sample of its trajectories, watch for the Echo Trap, evaluate and checkpoint when
+    due. The update's numbers are lists, one number per update, logged as their mean (0.0 when empty: a
+    critic warm-up step): `shares` of a batch mean, summed over ranks, and `overall` ones, the same on every
+    rank. `scored`: this rank's batch, its trajectories, and the old log-probs and advantages of the update."""
     master = run.rank == 0
+    # The sampler's log-probs against the trainer's old ones: ~0 in float32, ~1e-2 for a bf16 sampler.
+    shares["logprob_mismatch"] = [batch_mean((scored["sampler_logprobs"][:, 1:] - scored["old_logprobs"]).abs(),
+                                             scored["action_mask"][:, 1:]).item()]
     mean = lambda values: statistics.fmean(values) if values else 0.0
     update = dict(zip(shares, sums_over_ranks([mean(values) for values in shares.values()], run.device)))
     update.update({key: mean(values) for key, values in overall.items()})
@@ -524,8 +529,8 @@ def end_of_step(run, args, step, trajectories, kept, shares, overall, progress):
             print0(f"step {step + 1}: Echo Trap: training on the top {acted['filter_ratio']:.0%} of groups "
                    f"by reward std, learning rate {acted['lr']:.2e}")
     if master:
-        with open(run.out_dir / "metrics.jsonl", "a") as log_file:
-            log_file.write(json.dumps(metrics) + "\n")
+        append_jsonl(run.out_dir / "metrics.jsonl", [metrics])
+        append_jsonl(run.out_dir / TRAJECTORIES, kept_group(run.tokenizer, step + 1, scored))
         if run.logger is not None:
             run.logger.log(metrics, step=step + 1)
     progress.set_postfix(reward=f"{metrics['reward']:.2f}", success=f"{metrics['success']:.2f}",
@@ -535,6 +540,14 @@ def end_of_step(run, args, step, trajectories, kept, shares, overall, progress):
                         optimizers=run.optimizers, trainer_state={
                             "step": step + 1, "rng": gather_objects([rng_state()]), "history": run.history,
                             "args": vars(args), "control": run.control, "reference": run.reference_path})
+
+
+def kept_group(tokenizer, step, scored):
+    """The report's sample of a step (nanoagent/report.py): the first group of this rank's kept rows (all its
+    members on one rank), each token with the advantage and old log-prob the update used."""
+    rows = [row for row, t in enumerate(scored["trajectories"]) if t.group_id == scored["trajectories"][0].group_id]
+    return trajectory_records([scored["trajectories"][row] for row in rows], tokenizer, step,
+                              scored["advantages"][rows].tolist(), scored["old_logprobs"][rows].tolist())
 
 
 def evaluate_held_out(sampler, tokenizer, args, rank=0, world_size=1, device="cpu"):
@@ -703,15 +716,13 @@ def main(argv=None):
                     shares["entropy"].append(batch_mean(entropy, mask).item())
                     shares["clip_fraction"].append(batch_mean(clipped_tokens.float(), mask).item())
                     shares["approx_kl"].append(batch_mean(masks.kl_estimate(logprobs, old, mask, "k2"), mask).item())
-        # The sampler's log-probs against the trainer's old ones: ~0 in float32, ~1e-2 for a bf16 sampler.
-        shares["logprob_mismatch"] = [batch_mean((batch["sampler_logprobs"][:, 1:] - old_logprobs).abs(),
-                                                 batch["action_mask"][:, 1:]).item()]
 
         # 6. Sync: the sampler gets the new weights (a TorchSampler on the policy itself only drops its cache).
         run.sampler.update_weights(policy, run.dtype)
 
-        # 7. Log, watch, evaluate, checkpoint.
-        end_of_step(run, args, step, trajectories, kept, shares, overall, progress)
+        # 7. Log, watch, evaluate, checkpoint; keep one group's trajectories as the update scored them.
+        scored = dict(batch, trajectories=kept[mine], old_logprobs=old_logprobs, advantages=advantages)
+        end_of_step(run, args, step, trajectories, kept, scored, shares, overall, progress)
     print0(f"done: {args.steps} steps in {time.time() - run.run_start:.0f}s; checkpoints in {run.out_dir}")
     if args.sampler == "vllm":
         run.sampler.close()  # before compute_cleanup: the engine's process groups go first

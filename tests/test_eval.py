@@ -150,9 +150,16 @@ def test_multi_model_table_with_baselines_end_to_end_on_tiny_checkpoints(tmp_pat
     out = tmp_path / "results.json"
     evaluation.main(["--model", str(model_a), "--model", str(model_b), "--env", "search_qa", "--data",
                      str(REPO / "tests" / "data" / "hotpotqa_sample.jsonl"), "--n", "2", "--max_new_tokens", "6",
-                     "--max_turns", "2",
+                     "--max_turns", "2", "--trajectories", str(tmp_path / "episodes"),
                      "--baselines", "--json", str(out), "--sampler", "torch"])
     rows = json.loads(out.read_text())
+    # Every episode in the report's format (nanoagent/report.py), labelled by its row.
+    episodes = [json.loads(line) for line in (tmp_path / "episodes" / "trajectories.jsonl").read_text().splitlines()]
+    assert [(e["step"], e["group"], e["member"]) for e in episodes] == [
+        (f"{model} | {setting} | temperature 0.0", group, 0) for model in (model_a, model_b)
+        for setting in ("tools", "naive_rag", "no_retrieval") for group in (0, 1)]
+    assert all(e["tokens"]["advantage"] is None and len(e["tokens"]["id"]) == len(e["tokens"]["author"])
+               for e in episodes)
     assert [(row["model"], row["setting"]) for row in rows] == [
         (str(model), setting) for model in (model_a, model_b) for setting in ("tools", "naive_rag", "no_retrieval")]
     for row in rows:

@@ -1,14 +1,12 @@
 import math
 import random
-import re
 import statistics
 
 import pytest
 import torch
 
 from masks import (aggregate_loss, compute_gae, explained_variance, grpo_advantages, kl_estimate,
-                   last_agent_positions, masked_mean, masked_whiten, place_rewards, reinforce_pp_advantages,
-                   render_trajectory)
+                   last_agent_positions, masked_mean, masked_whiten, place_rewards, reinforce_pp_advantages)
 
 
 # -----------------------------------------------------------------------------
@@ -343,29 +341,3 @@ def test_masked_policy_loss_gets_no_gradient_from_env_positions(mode):
     noise[0, 0], noise[1, -1] = -torch.inf, torch.inf
     perturbed = aggregate_loss(-advantages * (logprobs.detach() + noise), mask, mode)
     assert perturbed == loss.detach()
-
-
-# -----------------------------------------------------------------------------
-# Renderer
-
-class FakeTokenizer:
-    vocab = ["Q: 2+2?", " <call>", "2+2", "</call>", " <resp>", "4", "</resp>", " <ans>", "4", "</ans>"]
-
-    def decode(self, ids):
-        return "".join(self.vocab[i] for i in ids)
-
-
-def test_render_trajectory_plain_and_color():
-    token_ids = list(range(10))
-    mask = [0, 1, 1, 1, 0, 0, 0, 1, 1, 1]
-    rewards = [0, 0, 0, -0.5, 0, 0, 0, 0, 0, 1.0]
-    plain = render_trajectory(token_ids, mask, FakeTokenizer(), rewards, color=False)
-    assert plain == "[env]Q: 2+2?[/env] <call>2+2</call>⟨-0.50⟩[env] <resp>4</resp>[/env] <ans>4</ans>⟨+1.00⟩"
-    no_rewards = render_trajectory(torch.tensor(token_ids), torch.tensor(mask), FakeTokenizer(), color=False)
-    assert no_rewards == "[env]Q: 2+2?[/env] <call>2+2</call>[env] <resp>4</resp>[/env] <ans>4</ans>"
-    colored = render_trajectory(token_ids, mask, FakeTokenizer(), rewards, color=True)
-    assert "\033[32m <call>2+2</call>\033[0m" in colored and "\033[90m <resp>4</resp>\033[0m" in colored
-    assert re.sub(r"\033\[[0-9;]*m", "", colored) == plain.replace("[env]", "").replace("[/env]", "")
-    # A reward inside an agent run still prints right after its own token.
-    inside = render_trajectory([1, 2, 3], [1, 1, 1], FakeTokenizer(), [0, 0.5, 0], color=False)
-    assert inside == " <call>2+2⟨+0.50⟩</call>"

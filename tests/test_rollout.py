@@ -310,5 +310,5 @@ def test_torch_rollout_logprobs_match_teacher_forcing_and_ignore_batch(tiny):
 
 def test_trajectory_fields_match_the_interface():
     assert list(Trajectory.__dataclass_fields__) == [
-        "token_ids", "action_mask", "logprobs", "prompt_length", "turn_rewards", "turn_end_positions", "score",
-        "group_id", "seed", "truncated", "num_turns", "info", "messages"]
+        "token_ids", "action_mask", "logprobs", "prompt_length", "turn_rewards", "turn_end_positions", "turn_infos",
+        "score", "group_id", "seed", "truncated", "num_turns", "info", "messages"]

@@ -32,8 +32,8 @@ BANDIT = ["--env", "bandit", "--warmup_clean_steps", "0", "--warmup_steps", "300
 
 def trajectory(group_id, score):
     return Trajectory(token_ids=[1, 2], action_mask=[0, 1], logprobs=[0.0, -1.0], prompt_length=1, turn_rewards=[score],
-                      turn_end_positions=[1], score=score, group_id=group_id, seed=group_id, truncated=False,
-                      num_turns=1, info={"success": score > 0}, messages=[])
+                      turn_end_positions=[1], turn_infos=[{}], score=score, group_id=group_id, seed=group_id,
+                      truncated=False, num_turns=1, info={"success": score > 0}, messages=[])
 
 
 def test_filter_keeps_the_groups_with_the_largest_reward_std():
