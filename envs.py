@@ -525,6 +525,9 @@ def run_own_program(code: str) -> str:
     return printed.getvalue()
 
 
+DEMONSTRATION_PYTHON_TOOL = replace(PYTHON_TOOL, function=run_own_program, batch_function=None)  # schema kept, run here
+
+
 class ComputeEnv(ToolEnv):
     """Questions a small model cannot answer in its head: a product of large numbers, the digit sum of a power,
     a count over a range. The agent writes a short program for the `python` tool, reads what it printed and
@@ -563,9 +566,9 @@ class ComputeEnv(ToolEnv):
         """Assistant turns for the current episode (after reset), for sft.py: the kind's program, then the
         number it prints. Each decision goes wrong with probability mistake_rate: a guess without a program,
         or a digit miscopied into the program (the answer then follows the wrong program). The episode's
-        python tool becomes run_own_program."""
+        python tool becomes DEMONSTRATION_PYTHON_TOOL."""
         rng = rng or random.Random(0)
-        self.tools = {"python": replace(PYTHON_TOOL, function=run_own_program, batch_function=None)}
+        self.tools = {"python": DEMONSTRATION_PYTHON_TOOL}
         if rng.random() < mistake_rate:
             return [f"<answer>{rng.randint(1, 10 ** len(self.answers[0]))}</answer>"]
         numbers = dict(self.numbers)
