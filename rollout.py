@@ -255,11 +255,18 @@ def rollout(sampler, tokenizer, make_env, seeds, group_size, max_turns, max_new_
     return trajectories
 
 
+def void_turns(trajectory):
+    """Turns the env could read nothing from: no tool call and no answer or action (a format error).
+    SimpleTIR (arXiv 2509.02479) found such "void turns" ahead of the gradient explosions of multi-turn RL."""
+    return sum(info["tool_calls"] == 0 and info["format_error"] for info in trajectory.turn_infos)
+
+
 def summarize(trajectories):
     """The numbers training logs and eval.py tabulates for a batch of trajectories, one definition each:
       reward, reward_std  mean episode score (sum of step rewards) and its spread
       success, em, f1     the env's success flag; exact match and token F1 of the final answer (QA envs)
       turns, tool_calls   per episode; invalid_call_rate: invalid calls over all calls
+      void_turns          per episode, turns with neither a call nor an answer (void_turns)
       response_tokens     tokens the agent wrote per episode; trajectory_tokens, prompt_tokens likewise
       truncated           episodes stopped by max_turns or the token budget, not by the env
       no_answer           tool-env episodes that ended without an <answer>
@@ -274,6 +281,7 @@ def summarize(trajectories):
         "turns": mean(t.num_turns for t in trajectories),
         "tool_calls": mean(t.info.get("tool_calls", 0) for t in trajectories),
         "invalid_call_rate": sum(t.info.get("invalid_calls", 0) for t in trajectories) / max(1, calls),
+        "void_turns": mean(void_turns(t) for t in trajectories),
         "response_tokens": mean(sum(t.action_mask) for t in trajectories),
         "trajectory_tokens": mean(len(t.token_ids) for t in trajectories),
         "prompt_tokens": mean(t.prompt_length for t in trajectories),

@@ -496,11 +496,12 @@ def policy_loss(logprobs, old_logprobs, advantages, mask, clip_low, clip_high, l
 # Step 7: metrics, monitors, eval, checkpoint
 
 
-def end_of_step(run, args, step, trajectories, kept, scored, shares, overall, progress):
+def end_of_step(run, args, step, trajectories, kept, scored, shares, overall, probe, progress):
     """Log the step, keep a sample of its trajectories, watch for the Echo Trap, evaluate and checkpoint when
     due. The update's numbers are lists, one number per update, logged as their mean (0.0 when empty: a
     critic warm-up step): `shares` of a batch mean, summed over ranks, and `overall` ones, the same on every
-    rank. `scored`: this rank's batch, its trajectories, and the old log-probs and advantages of the update."""
+    rank. `scored`: this rank's batch, its trajectories, and the old log-probs and advantages of the update.
+    `probe`: cross_prompt_logprobs' matrix (None: fewer than 2 prompts)."""
     master = run.rank == 0
     # The sampler's log-probs against the trainer's old ones: ~0 in float32, ~1e-2 for a bf16 sampler.
     shares["logprob_mismatch"] = [batch_mean((scored["sampler_logprobs"][:, 1:] - scored["old_logprobs"]).abs(),
@@ -508,14 +509,19 @@ def end_of_step(run, args, step, trajectories, kept, scored, shares, overall, pr
     mean = lambda values: statistics.fmean(values) if values else 0.0
     update = dict(zip(shares, sums_over_ranks([mean(values) for values in shares.values()], run.device)))
     update.update({key: mean(values) for key, values in overall.items()})
+    # And the step's worst minibatch: a mean over minibatches hides the one update that ran away.
+    update.update({f"{key}_max": max(sums_over_ranks(shares[key], run.device), default=0.0)
+                   for key in ("approx_kl", "clip_fraction")})
     group_reward_std = statistics.fmean(group_reward_stds(trajectories).values())
-    metrics = {**rollout.summarize(trajectories), "group_reward_std": group_reward_std}
+    metrics = {**rollout.summarize(trajectories), "group_reward_std": group_reward_std,
+               "zero_variance_groups": zero_variance_share(trajectories), **prompt_dependence(probe)}
     metrics = {"step": step + 1, **dict(sorted(metrics.items())), **update, "kept_trajectories": len(kept),
                "lr": run.control["lr"], "filter_ratio": run.control["filter_ratio"],
                "elapsed_s": time.time() - run.run_start}
     if args.eval_every > 0 and ((step + 1) % args.eval_every == 0 or step + 1 == args.steps):
         metrics.update(evaluate_held_out(run.sampler, run.tokenizer, args, run.rank, run.world_size, run.device))
     run.history.append(metrics)
+    metrics.update({f"{key}_change": recent_change(run.history, key) for key in ("response_tokens", "turns")})
     warnings = echo_trap_warnings([h for h in run.history if "grad_norm" in h])
     metrics["echo_trap_warnings"] = len(warnings)
     for warning in warnings:
@@ -561,23 +567,88 @@ def evaluate_held_out(sampler, tokenizer, args, rank=0, world_size=1, device="cp
     return {"eval_success": successes / count, "eval_score": score / count}
 
 
+# Candidate early signs of collapse, logged every step; which of them leads a collapse is yet to be measured.
+PROBE_PROMPTS = 8  # RAGEN-2's probe scores N first turns after N prompts: N^2 short rows, chance 1/N
+
+
+def cross_prompt_logprobs(model, trajectories, pad_token_id, temperature, share_prompts, device,
+                          num_prompts=PROBE_PROMPTS):
+    """RAGEN-2's cross-scoring (arXiv 2604.06268): the first turn of one episode of each of the first
+    `num_prompts` distinct prompts, teacher-forced after every one of those prompts. Returns (N, N): [i, j] is
+    the mean log-prob per token of response j after prompt i (response j was sampled after prompt j), the same
+    on every rank; None with fewer than 2 prompts. The first turn only: later turns read their own episode's
+    observations, which would give its prompt away."""
+    episodes = {}  # prompt tokens -> the first episode that played a turn after it
+    for t in trajectories:
+        if t.num_turns > 0 and len(episodes) < num_prompts:
+            episodes.setdefault(tuple(t.token_ids[:t.prompt_length]), t)
+    if len(episodes) < 2:
+        return None
+    prompts = [list(prompt) for prompt in episodes]
+    responses = [t.token_ids[t.prompt_length:t.turn_end_positions[0] + 1] for t in episodes.values()]
+    rows = [prompt + response for prompt in prompts for response in responses]  # row i * N + j
+    input_ids = torch.full((len(rows), max(map(len, rows))), pad_token_id, device=device)  # (N*N, T)
+    attention_mask, positions = torch.zeros_like(input_ids), torch.zeros_like(input_ids[:, 1:])  # (N*N, T-1)
+    prompt_lengths = torch.tensor([len(prompt) for prompt in prompts for _ in responses], device=device)  # (N*N,)
+    for row, (tokens, prompt_length) in enumerate(zip(rows, prompt_lengths.tolist())):
+        input_ids[row, :len(tokens)] = torch.tensor(tokens, device=device)
+        attention_mask[row, :len(tokens)] = 1
+        positions[row, prompt_length - 1:len(tokens) - 1] = 1  # the predictions of the response's tokens
+    logprobs = token_logprobs(model, input_ids, attention_mask, temperature, positions,
+                              prompt_lengths=prompt_lengths if share_prompts else None)[0]  # (N*N, T-1)
+    return (logprobs.sum(dim=1) / positions.sum(dim=1)).view(len(prompts), len(prompts))
+
+
+def prompt_dependence(logprobs):
+    """RAGEN-2's template-collapse signals from cross_prompt_logprobs' (N, N) matrix, [i, j] = log p(r_j | x_i):
+    retrieval_accuracy, the share of responses whose own prompt scores them highest (chance 1/N), and the
+    mutual information estimate mean_j [log p(r_j | x_j) - log (1/N) sum_i p(r_j | x_i)], 0 when responses
+    ignore their prompts, at most log N. RAGEN-2 reports both fall before success does, while entropy stays high.
+    {} without a matrix."""
+    if logprobs is None:
+        return {}
+    n = logprobs.shape[0]
+    marginal = torch.logsumexp(logprobs, dim=0) - math.log(n)  # (N,) log p(r_j) under the mixture of prompts
+    own_best = logprobs.argmax(dim=0) == torch.arange(n, device=logprobs.device)  # (N,)
+    return {"retrieval_accuracy": own_best.float().mean().item(), "retrieval_chance": 1 / n,
+            "mutual_information": (logprobs.diagonal() - marginal).mean().item()}
+
+
+def zero_variance_share(trajectories):
+    """The share of groups whose members all scored alike, before any filter: they give GRPO no gradient. With
+    success rate p and group size g a group carries signal with probability 1 - p^g - (1-p)^g; when most are
+    uniform, the KL and entropy terms take over the update (arXiv 2606.18487)."""
+    return statistics.fmean(std == 0 for std in group_reward_stds(trajectories).values())
+
+
+def recent_change(history, key, window=5):
+    """history[-1][key] relative to its mean over the `window` steps before (0.5: up 50%; 0.0 with none).
+    Practitioners saw response length jump (verl-agent#188, rllm#226) and turns drop as tool calls stop
+    (verl PR#4998) ahead of a collapse."""
+    before = [h[key] for h in history[-window - 1:-1] if key in h]
+    baseline = statistics.fmean(before) if before else 0.0
+    return history[-1][key] / baseline - 1 if baseline else 0.0
+
+
 def echo_trap_warnings(history, window=5):
     """RAGEN's early signs of collapse, on `window`-step averages: in-group reward std fading, gradient norm
-    spiking."""
+    spiking. Each warning names its metric, value and threshold, and what to try."""
     def smoothed(key, end):
         return statistics.fmean(h[key] for h in history[max(0, end - window):end])
     warnings, steps = [], len(history)
     if steps >= 2 * window:
-        now = smoothed("group_reward_std", steps)
+        now, success = smoothed("group_reward_std", steps), smoothed("success", steps)
         peak = max(smoothed("group_reward_std", end) for end in range(window, steps + 1))
-        if peak > 0.05 and now < 0.2 * peak and smoothed("success", steps) < 0.9:
-            warnings.append(f"in-group reward std fell to {now:.3f} (peak {peak:.3f}) while success is low: groups "
-                            "answer alike (Echo Trap); try --filter_ratio 0.25 or a higher temperature")
+        if peak > 0.05 and now < 0.2 * peak and success < 0.9:
+            warnings.append(f"group_reward_std {now:.3f} ({window}-step mean) is below 0.2x its peak {peak:.3f} = "
+                            f"{0.2 * peak:.3f} while success {success:.2f} < 0.9: groups answer alike (Echo Trap); "
+                            "try --filter_ratio 0.25 (StarPO-S), a higher --temperature, or --on_echo_trap stabilize")
     recent = [h["grad_norm"] for h in history[-21:-1]]
     median = statistics.median(recent) if len(recent) >= 10 else 0.0
     if median > 1e-6 and history[-1]["grad_norm"] > 10 * median:
-        warnings.append(f"gradient norm {history[-1]['grad_norm']:.2f} is over 10x its recent median "
-                        f"{median:.2f}: a spike that often precedes collapse")
+        warnings.append(f"grad_norm {history[-1]['grad_norm']:.2f} is above 10x its median {median:.2f} over the "
+                        f"last {len(recent)} steps = {10 * median:.2f}: a spike that often precedes collapse; try a "
+                        "lower --lr or --grad_clip, or --on_echo_trap stabilize (halves the learning rate)")
     return warnings
 
 
@@ -650,6 +721,9 @@ def main(argv=None):
                 # --truncated_reward zero scores a cut episode 0 as a penalty: that episode ends there.
                 last_values = bootstrap_values(all_values, attention_mask,
                                                batch["truncated"] & (args.truncated_reward == "keep"))  # (B,)
+            # RAGEN-2's template-collapse probe, on the policy that sampled the responses.
+            probe = cross_prompt_logprobs(policy, trajectories, run.tokenizer.pad_token_id, args.temperature,
+                                          run.share_prompts, device)  # (N, N), or None
             if args.kl == "in_reward":  # Agent-R1's PPO: r_t -= β KL_t on every agent token
                 token_rewards -= args.kl_coef * masks.kl_estimate(old_logprobs, ref_logprobs, loss_mask,
                                                                   args.kl_estimator)
@@ -722,7 +796,7 @@ def main(argv=None):
 
         # 7. Log, watch, evaluate, checkpoint; keep one group's trajectories as the update scored them.
         scored = dict(batch, trajectories=kept[mine], old_logprobs=old_logprobs, advantages=advantages)
-        end_of_step(run, args, step, trajectories, kept, scored, shares, overall, progress)
+        end_of_step(run, args, step, trajectories, kept, scored, shares, overall, probe, progress)
     print0(f"done: {args.steps} steps in {time.time() - run.run_start:.0f}s; checkpoints in {run.out_dir}")
     if args.sampler == "vllm":
         run.sampler.close()  # before compute_cleanup: the engine's process groups go first

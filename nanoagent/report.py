@@ -34,10 +34,11 @@ from matplotlib.figure import Figure  # the object API: no pyplot, so no global 
 TRAJECTORIES = "trajectories.jsonl"
 # The curves, grouped as a reader asks: did it work, what does the agent do, is the update sane, is there signal?
 CURVES = {"outcome": ["reward", "success", "eval_success"],
-          "behaviour": ["turns", "tool_calls", "invalid_call_rate", "response_tokens", "truncated"],
+          "behaviour": ["turns", "tool_calls", "invalid_call_rate", "void_turns", "response_tokens", "truncated"],
           "optimisation": ["policy_loss", "entropy", "approx_kl", "clip_fraction", "grad_norm", "explained_variance",
                            "value_loss"],
-          "signal": ["group_reward_std", "kept_trajectories"]}
+          "signal": ["group_reward_std", "zero_variance_groups", "retrieval_accuracy", "mutual_information",
+                     "kept_trajectories"]}
 MAX_GROUPS = 50  # groups on one page, evenly spaced over the run: a long run's page stays a few MB
 TEMPLATE = jinja2.Environment(loader=jinja2.FileSystemLoader(Path(__file__).parent), autoescape=True,
                               trim_blocks=True, lstrip_blocks=True).get_template("report.html.jinja")

@@ -90,6 +90,7 @@ def test_summarize_hand_made_transcripts_through_rollout(tokenizer):
                 "reward": (1.0 + 0.0 + 0.9 - 0.2) / 4, "reward_std": statistics.pstdev([1.0, 0.0, 0.9, -0.2]),
                 "turns": (1 + 2 + 2 + 2) / 4, "tool_calls": 2 / 4, "invalid_call_rate": 1 / 2, "truncated": 0.0,
                 "no_answer": 1 / 4, "prompt_too_long": 0.0, "pass@1": 0.5, "pass@2": 1.0,
+                "void_turns": 2 / 4,  # the two turns with neither a call nor an answer
                 "response_tokens": statistics.fmean(sum(t.action_mask) for t in trajectories),
                 "trajectory_tokens": statistics.fmean(len(t.token_ids) for t in trajectories),
                 "prompt_tokens": statistics.fmean(t.prompt_length for t in trajectories)}

@@ -24,7 +24,8 @@ REPO = Path(__file__).resolve().parent.parent
 # divides by sqrt(v), so entries with tiny gradients (unused embedding rows) amplify float-rounding differences.
 COMMON = BANDIT + ["--steps", "2", "--save_every", "1", "--lr", "1e-5", "--critic_lr", "1e-5"]
 COMPARED = ["reward", "success", "group_reward_std", "policy_loss", "value_loss", "grad_norm", "entropy",
-            "approx_kl", "clip_fraction", "logprob_mismatch", "kept_trajectories"]
+            "approx_kl", "clip_fraction", "logprob_mismatch", "kept_trajectories", "approx_kl_max",
+            "clip_fraction_max", "zero_variance_groups", "void_turns", "retrieval_accuracy", "mutual_information"]
 
 
 def torchrun(script_and_args, timeout=600):

@@ -10,7 +10,7 @@ import tools
 from envs import StepResult, SyntheticQAEnv
 from nanoagent.models import tiny_model, tiny_tokenizer
 from nanoagent.sampler import Generation, TorchSampler, per_row
-from rollout import Trajectory, encode, encode_chat, observation_tokens, render, rollout
+from rollout import Trajectory, encode, encode_chat, observation_tokens, render, rollout, void_turns
 from tests.qwen25_tokenizer import qwen25_tokenizer
 
 TOOL_CALL = '<tool_call>\n{"name": "calculator", "arguments": {"expression": "3 + 4"}}\n</tool_call>'
@@ -312,3 +312,15 @@ def test_trajectory_fields_match_the_interface():
     assert list(Trajectory.__dataclass_fields__) == [
         "token_ids", "action_mask", "logprobs", "prompt_length", "turn_rewards", "turn_end_positions", "turn_infos",
         "score", "group_id", "seed", "truncated", "num_turns", "info", "messages"]
+
+
+def test_void_turns_count_turns_with_neither_a_call_nor_an_answer():
+    infos = [{"tool_calls": 0, "format_error": True},  # no call, no answer (a GameEnv: no readable action): void
+             {"tool_calls": 2, "format_error": True},  # calls, all invalid: counted by invalid_call_rate instead
+             {"tool_calls": 1, "format_error": False},  # a call
+             {"tool_calls": 0, "format_error": False},  # an answer
+             {"tool_calls": 0, "format_error": True}]
+    episode = Trajectory(token_ids=[], action_mask=[], logprobs=[], prompt_length=0, turn_rewards=[],
+                         turn_end_positions=[], turn_infos=infos, score=0.0, group_id=0, seed=0, truncated=False,
+                         num_turns=len(infos), info={}, messages=[])
+    assert void_turns(episode) == 2

@@ -242,11 +242,85 @@ def test_echo_trap_monitor_warns_on_std_collapse_and_grad_spike():
     blip = calm + [{"group_reward_std": 0.0, "grad_norm": 1.0, "success": 0.3}]
     assert train.echo_trap_warnings(blip) == []  # one flat step is noise, not collapse
     collapsed = calm + [{"group_reward_std": 0.01, "grad_norm": 1.0, "success": 0.3}] * 5
-    assert "in-group reward std fell" in train.echo_trap_warnings(collapsed)[0]
+    # the warning names the metric, its value and threshold, and what to try
+    assert train.echo_trap_warnings(collapsed)[0].startswith("group_reward_std 0.010 (5-step mean) is below 0.2x "
+                                                             "its peak 0.400 = 0.080 while success 0.30 < 0.9")
+    assert "--filter_ratio 0.25" in train.echo_trap_warnings(collapsed)[0]
     solved = calm + [{"group_reward_std": 0.0, "grad_norm": 1.0, "success": 1.0}] * 5
     assert train.echo_trap_warnings(solved) == []  # a solved task has flat groups for a good reason
     spike = calm + [{"group_reward_std": 0.4, "grad_norm": 50.0, "success": 0.3}]
-    assert "gradient norm" in train.echo_trap_warnings(spike)[0]
+    assert train.echo_trap_warnings(spike)[0].startswith("grad_norm 50.00 is above 10x its median 1.00 over the "
+                                                         "last 12 steps = 10.00")
+    assert "--lr" in train.echo_trap_warnings(spike)[0]
+
+
+# -----------------------------------------------------------------------------
+# Candidate collapse signals
+
+
+def test_prompt_dependence_matches_a_plain_loop():
+    logprobs = torch.tensor([[-1.0, -2.0, -0.05], [-3.0, -1.5, -0.2], [-2.0, -2.5, -0.1]])  # [i, j] = log p(r_j | x_i)
+    n = 3
+    own_best = [max(range(n), key=lambda i: logprobs[i, j].item()) == j for j in range(n)]  # r_2 prefers x_2
+    mutual_information = sum(logprobs[j, j].item() - math.log(sum(math.exp(logprobs[i, j].item()) for i in range(n))
+                                                               / n) for j in range(n)) / n
+    signals = train.prompt_dependence(logprobs)
+    assert signals["retrieval_accuracy"] == pytest.approx(sum(own_best) / n) and sum(own_best) == 2
+    assert signals["retrieval_chance"] == pytest.approx(1 / 3)
+    assert signals["mutual_information"] == pytest.approx(mutual_information, abs=1e-6)
+    # responses that ignore their prompts: no information, and retrieval falls to ties (argmax takes the first)
+    assert train.prompt_dependence(torch.full((4, 4), -2.0))["mutual_information"] == pytest.approx(0.0, abs=1e-6)
+    assert train.prompt_dependence(None) == {}
+
+
+@pytest.mark.parametrize("share_prompts", [False, True])
+def test_cross_prompt_logprobs_match_rows_scored_one_by_one(tiny_batch, share_prompts):
+    model = tiny_batch[0]
+    prompts, first_turns = [[11, 12, 13, 14], [21, 22, 23, 24, 25], [31, 32, 33]], [[41, 42], [51, 52, 53], [61]]
+
+    def episode(prompt, first_turn, group_id, num_turns=2):  # a first turn, an observation, a second turn
+        tokens = prompt + first_turn + [70, 71] + [80, 81]
+        return Trajectory(token_ids=tokens, action_mask=[0] * len(prompt) + [1] * len(first_turn) + [0, 0, 1, 1],
+                          logprobs=[0.0] * len(tokens), prompt_length=len(prompt), turn_rewards=[0.0, 0.0],
+                          turn_end_positions=[len(prompt) + len(first_turn) - 1, len(tokens) - 1],
+                          turn_infos=[{}, {}], score=0.0, group_id=group_id, seed=group_id, truncated=False,
+                          num_turns=num_turns, info={}, messages=[])
+    batch = [episode(prompts[0], [99], 0, num_turns=0),  # no turn played: skipped
+             episode(prompts[0], first_turns[0], 0), episode(prompts[0], [98, 97], 0),  # the first of a prompt counts
+             episode(prompts[1], first_turns[1], 1), episode(prompts[2], first_turns[2], 2)]
+    with torch.no_grad():
+        matrix = train.cross_prompt_logprobs(model, batch, 0, 0.7, share_prompts, "cpu")
+        expected = torch.zeros(3, 3)
+        for i, prompt in enumerate(prompts):
+            for j, first_turn in enumerate(first_turns):
+                ids = torch.tensor([prompt + first_turn])
+                logprobs = train.token_logprobs(model, ids, torch.ones_like(ids), 0.7)[0][0]  # (T-1,)
+                expected[i, j] = logprobs[len(prompt) - 1:].mean()
+    assert torch.allclose(matrix, expected, atol=1e-5)
+    assert train.cross_prompt_logprobs(model, batch[:3], 0, 0.7, share_prompts, "cpu") is None  # one prompt
+    assert train.cross_prompt_logprobs(model, batch, 0, 0.7, share_prompts, "cpu", num_prompts=2).shape == (2, 2)
+
+
+def test_zero_variance_share_and_recent_change_by_hand():
+    scores = {0: [1, 1, 1], 1: [0, 1, 0], 2: [0.5, 0.5, 0.5], 3: [0, 0, 1]}
+    batch = [trajectory(group, score) for group, group_scores in scores.items() for score in group_scores]
+    assert train.zero_variance_share(batch) == 0.5  # groups 0 and 2
+    history = [{"step": 0, "eval_success": 0.1}] + [{"turns": turns} for turns in [9, 2, 2, 2, 2, 2, 3]]
+    assert train.recent_change(history, "turns") == pytest.approx(3 / 2 - 1)  # the 5 steps before: 2 each
+    assert train.recent_change(history[:3], "turns") == pytest.approx(2 / 9 - 1)  # step 0's eval has no turns
+    assert train.recent_change(history[:2], "turns") == 0.0  # nothing before
+
+
+def test_collapse_signals_are_logged_every_step(tmp_path):
+    train.main(BANDIT + ["--steps", "2", "--minibatch_size", "8", "--out_dir", str(tmp_path / "run")])
+    lines = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    signals = ["retrieval_accuracy", "retrieval_chance", "mutual_information", "zero_variance_groups", "void_turns",
+               "response_tokens_change", "turns_change", "approx_kl_max", "clip_fraction_max", "logprob_mismatch"]
+    for metrics in lines:
+        assert all(math.isfinite(metrics[key]) for key in signals), metrics
+        assert metrics["retrieval_chance"] == 1 / 4  # 4 prompts a step
+        assert metrics["clip_fraction_max"] >= metrics["clip_fraction"]
+        assert metrics["approx_kl_max"] > metrics["approx_kl"] > 0  # two minibatches: the second runs off-policy
 
 
 def test_stabilize_on_echo_trap_acts_once_per_cooldown():
