@@ -234,17 +234,19 @@ def set_up(args):
         if not master:
             model_path = starting_weights(args, device)  # cached by rank 0 by now: only returns the path
     reference_path = model_path if checkpoint is None else trainer_state["reference"]  # KL's anchor: the start
-    # Sharded over the ranks whenever a process group is up (FSDP2, nanoagent/parallel.py), else plain.
-    policy, tokenizer = load_model(model_path, device=device)
+    # Sharded over the ranks whenever a process group is up (FSDP2, nanoagent/parallel.py), else plain. A sharded
+    # model is built empty on the meta device, then each rank's shards are filled from rank 0's read of the weights.
+    built_on = torch.device("meta") if is_sharded() else device
+    policy, tokenizer = load_model(model_path, device=built_on)
     sample_as_trained(policy, args.temperature)  # what checkpoints' generation_config.json will say
     policy = shard_model(policy.train(), device, args.activation_checkpointing)
     critic = None
     if args.algo == "ppo":  # the critic starts from the policy checkpoint (or is restored with it)
         critic_path = Path(model_path) / "critic" if (Path(model_path) / "critic").exists() else model_path
-        critic = shard_model(load_critic(critic_path, device=device).train(), device, args.activation_checkpointing)
+        critic = shard_model(load_critic(critic_path, device=built_on).train(), device, args.activation_checkpointing)
     reference = None
     if args.kl != "none":
-        reference = shard_model(load_model(reference_path, device=device, dtype=dtype)[0], device)
+        reference = shard_model(load_model(reference_path, device=built_on, dtype=dtype)[0], device)
     optimizers = {"policy": (policy, torch.optim.AdamW(policy.parameters(), lr=args.lr, betas=(0.9, 0.99),
                                                        weight_decay=0.0))}
     if critic is not None:

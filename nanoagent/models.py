@@ -13,6 +13,7 @@ nothing else. Two ways to get one:
 `load_critic(path)` builds PPO's critic from the policy checkpoint, as Agent-R1 and RAGEN initialise theirs.
 """
 
+import contextlib
 import hashlib
 import json
 import os
@@ -226,7 +227,8 @@ def resolve_model_path(name_or_path):
 
 def load_model(name_or_path, device="cpu", dtype=torch.float32):
     """Load (model, tokenizer) from a Hub name, a local checkpoint directory, or 'tiny'; the model in eval
-    mode on `device` in `dtype`. What cannot be loaded raises a UserError that says what to do."""
+    mode on `device` (the meta device: see `built`) in `dtype`. What cannot be loaded raises a UserError that says
+    what to do."""
     path = resolve_model_path(name_or_path)
     directory = Path(path)
     if directory.is_dir():  # a local checkpoint: say which part is missing instead of transformers' trace
@@ -240,8 +242,10 @@ def load_model(name_or_path, device="cpu", dtype=torch.float32):
                              "pass a checkpoint directory written by save_pretrained (a step_* directory of a run)")
     try:
         tokenizer = AutoTokenizer.from_pretrained(path)
-        stored_dtype = AutoConfig.from_pretrained(path).dtype or torch.float32
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
+        config = AutoConfig.from_pretrained(path)
+        stored_dtype = config.dtype or torch.float32
+        model = built(lambda dtype: AutoModelForCausalLM.from_pretrained(path, dtype=dtype), AutoModelForCausalLM,
+                      path, config, dtype, device)
     except OSError as error:
         raise UserError(
             f"could not load model {name_or_path!r}: it is not a local checkpoint directory and could not be "
@@ -253,6 +257,23 @@ def load_model(name_or_path, device="cpu", dtype=torch.float32):
         raise UserError(f"{name_or_path!r} has no chat template: nanoagent needs an instruct/chat model")
     model.stored_dtype = stored_dtype  # loading sets config.dtype to `dtype`: checkpoints are written in this one
     return model.to(device).eval(), tokenizer
+
+
+def built(read, auto_class, path, config, dtype, device):
+    """read(dtype) -> the model from the checkpoint at path, except on the meta device (where train.py builds the
+    models it shards): there the architecture without memory, and `model.read_weights()`, which rank 0 alone calls
+    when parallel.shard_model fills the shards, reading the weights in the dtype they are stored in (bf16 for
+    Qwen2.5), so no rank holds a whole float32 copy."""
+    if torch.device(device).type != "meta":
+        return read(dtype)
+    stored_dtype = config.dtype or torch.float32  # from_config sets config.dtype to dtype
+    with torch.device("meta"):
+        model = auto_class.from_config(config, dtype=dtype)
+    if model.can_generate():  # as from_pretrained: the end-of-turn tokens to stop on come from generation_config.json
+        with contextlib.suppress(OSError):
+            model.generation_config = GenerationConfig.from_pretrained(path)
+    model.read_weights = lambda: read(stored_dtype)
+    return model
 
 
 def sample_as_trained(model, temperature):
@@ -277,13 +298,17 @@ def load_critic(name_or_path, device="cpu", dtype=torch.float32):
     is_saved_critic = "ForTokenClassification" in (config.architectures or [""])[0]
     config.classifier_dropout = 0.0  # the default 0.1 would put noise in the values GAE reads
     stored_dtype = config.dtype or torch.float32  # as in load_model
-    verbosity = transformers_logging.get_verbosity()
-    transformers_logging.set_verbosity_error()  # silence the expected "score.* newly initialised" report
-    critic = AutoModelForTokenClassification.from_pretrained(path, config=config, dtype=dtype)
-    transformers_logging.set_verbosity(verbosity)
-    if not is_saved_critic:  # a policy checkpoint: the head is new, start it at zero
-        torch.nn.init.zeros_(critic.score.weight)
-        if critic.score.bias is not None:
-            torch.nn.init.zeros_(critic.score.bias)
+
+    def read(dtype):
+        verbosity = transformers_logging.get_verbosity()
+        transformers_logging.set_verbosity_error()  # silence the expected "score.* newly initialised" report
+        critic = AutoModelForTokenClassification.from_pretrained(path, config=config, dtype=dtype)
+        transformers_logging.set_verbosity(verbosity)
+        if not is_saved_critic:  # a policy checkpoint: the head is new, start it at zero
+            torch.nn.init.zeros_(critic.score.weight)
+            if critic.score.bias is not None:
+                torch.nn.init.zeros_(critic.score.bias)
+        return critic
+    critic = built(read, AutoModelForTokenClassification, path, config, dtype, device)
     critic.stored_dtype = stored_dtype
     return critic.to(device).eval()

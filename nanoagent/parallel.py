@@ -11,6 +11,8 @@ train.py shows the algorithm; this file holds what makes the same step run on 1 
   loss is its share of the whole batch's loss (masks.aggregate_loss with sum_over_ranks), so the sum is the
   batch's gradient. Why fp32 master weights: AdamW's step at lr 1e-6 is below half a bf16 rounding unit of
   most weights, so a bf16 weight does not move at all (tests/test_parallel.py shows it).
+- `fill_from_rank0`: train.py builds a sharded model on the meta device (no memory) and shards it empty; rank 0
+  alone reads the checkpoint and sends each rank its shards, so no rank holds a whole float32 copy (~28 GB at 7B).
 - `sum_over_ranks`: the global batch is split over ranks, and its statistics (token counts for the
   token-mean loss, whitening moments, logged metrics) must be the global ones, or a step would depend on
   how many ranks there are.
@@ -21,6 +23,7 @@ starts a 1-rank group, so every GPU run takes this one path. A single CPU proces
 
 import torch
 import torch.distributed as dist
+from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard, register_fsdp_forward_method
 from torch.distributed.tensor import DTensor
 
@@ -33,7 +36,8 @@ def is_sharded():
 
 
 def shard_model(model, device, activation_checkpointing=False):
-    """The FSDP2 layout above, applied to a HF model in place when sharding (else it is returned as is).
+    """The FSDP2 layout above, applied to a HF model in place when sharding (else it is returned as is); a model
+    built on the meta device gets its weights after (fill_from_rank0).
     activation_checkpointing: each decoder layer recomputes its activations in the backward pass (set
     before sharding, as torchtitan does), so one input is kept per layer."""
     if activation_checkpointing:
@@ -50,7 +54,23 @@ def shard_model(model, device, activation_checkpointing=False):
             module.set_force_sum_reduction_for_comms(True)  # a plain SUM, which every backend has (gloo has no AVG)
     model.forward_through_root = lambda function, *args: function(*args)
     register_fsdp_forward_method(model, "forward_through_root")  # runs it between the root's FSDP hooks
+    if hasattr(model, "read_weights"):  # built on the meta device (models.built): its shards are still empty
+        fill_from_rank0(model, device)
     return model
+
+
+def fill_from_rank0(model, device):
+    """Give a model sharded on the meta device its weights: rank 0 reads them (model.read_weights(), in the dtype
+    they are stored in) and sends every rank its shards, one parameter at a time, cast to the shards' dtype. The
+    buffers no checkpoint holds (RoPE's frequencies, lost on the meta device) come from rank 0 too."""
+    model.to_empty(device=device)
+    full = model.read_weights() if dist.get_rank() == 0 else None
+    set_model_state_dict(model, full.state_dict() if full is not None else {},
+                         options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
+    for name, buffer in model.named_buffers():
+        if full is not None:
+            buffer.copy_(full.get_buffer(name))
+        dist.broadcast(buffer, src=0)
 
 
 def forward_through_root(model, function, *args):

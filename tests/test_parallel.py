@@ -220,6 +220,43 @@ def test_sharded_critic_has_the_unsharded_gradients_and_returns_no_view(tmp_path
         assert largest > 0 and (sharded["grads"][name] - parameter.grad).abs().max() <= 1e-6 * largest, name
 
 
+
+LOAD_SCRIPT = """
+import sys, torch, torch.distributed as dist
+from nanoagent.models import load_critic, load_model
+from nanoagent.parallel import full_weights, shard_model
+dist.init_process_group("gloo")
+meta, cpu = torch.device("meta"), torch.device("cpu")
+policy = shard_model(load_model(sys.argv[1], device=meta)[0], cpu)  # as train.py builds what it shards
+critic = shard_model(load_critic(sys.argv[1], device=meta), cpu)
+loaded = {"policy": dict(full_weights(policy)), "critic": dict(full_weights(critic)),
+          "buffers": dict(policy.named_buffers()), "eos": policy.generation_config.eos_token_id,
+          "tied": policy.lm_head.weight is policy.model.embed_tokens.weight}
+if dist.get_rank() == 1:  # the rank that read nothing
+    torch.save(loaded, sys.argv[2])
+dist.destroy_process_group()
+"""
+
+
+def test_models_built_on_the_meta_device_get_the_checkpoints_weights_on_every_rank(tmp_path):
+    # Rank 0 reads the checkpoint (stored in bf16, as Qwen2.5 is) and sends each rank its float32 shards: gathered
+    # back, they are the weights one process loads, the critic's new head at zero, RoPE's buffers and the tie kept.
+    model, tokenizer = load_model("tiny")
+    model.to(torch.bfloat16).save_pretrained(tmp_path / "bf16")
+    tokenizer.save_pretrained(tmp_path / "bf16")
+    script = tmp_path / "load.py"
+    script.write_text(LOAD_SCRIPT)
+    torchrun([str(script), str(tmp_path / "bf16"), str(tmp_path / "loaded.pt")])
+    loaded = torch.load(tmp_path / "loaded.pt")
+    policy, critic = load_model(tmp_path / "bf16")[0], load_critic(tmp_path / "bf16")
+    assert loaded["tied"] and loaded["eos"] == policy.generation_config.eos_token_id
+    for part, reference in (("policy", policy.state_dict()), ("critic", critic.state_dict()),
+                            ("buffers", dict(policy.named_buffers()))):
+        assert loaded[part].keys() == reference.keys(), part
+        for name, tensor in reference.items():
+            assert loaded[part][name].dtype == tensor.dtype and torch.equal(loaded[part][name], tensor), name
+    assert not critic.score.weight.any()
+
 # Qwen2.5-0.5B-Instruct's config with 2 of its 24 layers: the real vocabulary (the LM head is most of a step's
 # work at this size), heads, tied embedding, bf16 storage, sampling defaults, tokenizer and chat template.
 QWEN25_05B_FEW_LAYERS = dict(vocab_size=151936, hidden_size=896, intermediate_size=4864, num_hidden_layers=2,
