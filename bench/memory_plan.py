@@ -4,7 +4,8 @@ Memory planner: per-GPU memory of a train.py run, by part, before renting the GP
     python bench/memory_plan.py --model Qwen/Qwen2.5-3B-Instruct --algo ppo --gpus 8 --gpu_memory_gb 80 \
         --vllm_memory 0.3
     python bench/memory_plan.py --model runs/default/step_000100 --algo grpo --gpus 1 --activation_checkpointing
-    python bench/memory_plan.py --table          # the README's table: Qwen2.5 0.5B..7B x GRPO/PPO x 1/8 GPUs
+    python bench/memory_plan.py --table --activation_checkpointing --vllm_sleep   # docs/gpu.md's tables:
+        Qwen2.5 0.5B..7B x GRPO/PPO x 1/8 GPUs, under the flags given (checkpointing, vLLM's share, sleep, --kl)
     python bench/memory_plan.py --measure tiny   # planned against measured tensor sizes on this CPU
 
 The model's shape comes from a local directory's config.json, or for the Qwen2.5 instruct models from the
@@ -18,7 +19,11 @@ with FSDP2 over N GPUs (nanoagent/parallel.py), P parameters:
   activations  what the backward pass needs, per token of a minibatch on this GPU (formula in
                activation_bytes_per_token); activation checkpointing keeps one layer input per layer
   logits       the LM head's output on the kept (agent) tokens only, K x V in fp32, and its log-softmax
-  vLLM         --vllm_memory of the card, when the sampler is a colocated vLLM engine
+  vLLM         --vllm_memory of the card, when the sampler is a colocated vLLM engine; with --vllm_sleep it holds
+               nothing during the update, but its share again during the rollout, when the update's gradients,
+               activations and logits are gone: the part counts what that adds to the step's peak
+The shared-prompt pass (a group's prompt run once, without --activation_checkpointing) is not credited: a
+~200-token prompt is ~5% of a 4096-token trajectory's activations.
 """
 
 import argparse
@@ -80,7 +85,7 @@ def activation_bytes_per_token(shape, compute_bytes, checkpointing):
 
 
 def plan(shape, algo, gpus, tokens_per_gpu, kept_tokens_per_gpu, kl=False, checkpointing=False, compute_bytes=2,
-         gpu_memory_gb=80.0, vllm_memory=0.0, sharded=True):
+         gpu_memory_gb=80.0, vllm_memory=0.0, vllm_sleep=False, sharded=True):
     """Per-GPU bytes by part (a dict), for one minibatch of tokens_per_gpu tokens on each GPU. sharded=False:
     a plain single CPU process (no FSDP group gathered beside the parameters)."""
     policy, critic, layer = parameter_counts(shape)
@@ -96,8 +101,10 @@ def plan(shape, algo, gpus, tokens_per_gpu, kept_tokens_per_gpu, kl=False, check
         "activations": tokens_per_gpu * activation_bytes_per_token(shape, compute_bytes, checkpointing),
         # lm_head output (compute dtype), .float(), / temperature, log_softmax: K x V each
         "logits": kept_tokens_per_gpu * vocab * (compute_bytes + 12 if compute_bytes != 4 else 12),
-        "vLLM": vllm_memory * gpu_memory_gb * GiB,
     }
+    vllm = vllm_memory * gpu_memory_gb * GiB
+    # Asleep: the peak is the update without vLLM, or the rollout (vLLM awake, no gradients, activations, logits).
+    parts["vLLM"] = max(0, vllm - parts["gradients"] - parts["activations"] - parts["logits"]) if vllm_sleep else vllm
     return parts
 
 
@@ -109,7 +116,7 @@ def advice(parts, gpu_memory_gb):
     hints = {"activations": "--activation_checkpointing, or a smaller --minibatch_size / --max_total_tokens",
              "optimizer": "more GPUs (FSDP shards parameters, gradients and optimizer states)",
              "critic": "--algo grpo (no critic), or more GPUs", "logits": "a smaller --minibatch_size",
-             "vLLM": "a lower --vllm_memory (gpu_memory_utilization)", "reference": "--kl none",
+             "vLLM": "--vllm_sleep, or a lower --vllm_memory (gpu_memory_utilization)", "reference": "--kl none",
              "parameters": "more GPUs", "gradients": "more GPUs"}
     biggest = sorted(parts, key=parts.get, reverse=True)[:2]
     return (f"does NOT fit: {total / GiB:.1f} GiB > {gpu_memory_gb:.0f} GiB. Largest parts: "
@@ -168,6 +175,7 @@ def main():
     parser.add_argument("--max_total_tokens", type=int, default=4096)
     parser.add_argument("--agent_tokens", type=int, default=1024, help="agent (kept) tokens per trajectory")
     parser.add_argument("--kl", action="store_true", help="a reference model (--kl loss / in_reward)")
+    parser.add_argument("--vllm_sleep", action="store_true", help="vLLM asleep during the update (GPUs)")
     parser.add_argument("--activation_checkpointing", action="store_true")
     parser.add_argument("--table", action="store_true", help="print the README table")
     parser.add_argument("--measure", default=None, choices=["tiny", "mid"], help="plan against measured sizes on CPU")
@@ -186,6 +194,9 @@ def main():
             print(f"{part:<22}{planned[part] / 2 ** 20:>12.2f}{value / 2 ** 20:>14.2f}")
         return
     if args.table:
+        print(f"activation checkpointing {'on' if args.activation_checkpointing else 'off'}; shared-prompt pass not "
+              f"credited; vLLM at {args.vllm_memory} of 80 GB, {'asleep' if args.vllm_sleep else 'awake'} during the "
+              f"update; {'a' if args.kl else 'no'} reference; 8 trajectories x 4096 tokens (1024 agent) per GPU")
         print("| model | algo | GPUs | params+grads+optim | critic | activations | logits | vLLM | total "
               "| fits 80 GB |")
         print("|---|---|---|---|---|---|---|---|---|---|")
@@ -193,8 +204,9 @@ def main():
             for algo in ("grpo", "ppo"):
                 for gpus in (1, 8):
                     tokens = 8 * 4096  # a minibatch of 8 trajectories x 4096 tokens per GPU (--minibatch_size 8 x GPUs)
-                    parts = plan(model_shape(name), algo, gpus, tokens, tokens // 4, checkpointing=True,
-                                 vllm_memory=0.3)
+                    parts = plan(model_shape(name), algo, gpus, tokens, tokens // 4, kl=args.kl,
+                                 checkpointing=args.activation_checkpointing, vllm_memory=args.vllm_memory,
+                                 vllm_sleep=args.vllm_sleep)
                     total = sum(parts.values())
                     model_state = parts["parameters"] + parts["gradients"] + parts["optimizer"]
                     short_name = name.split('/')[1].removesuffix('-Instruct')
@@ -207,7 +219,7 @@ def main():
     rows_per_gpu = math.ceil(trajectories / args.gpus)
     parts = plan(model_shape(args.model), args.algo, args.gpus, rows_per_gpu * args.max_total_tokens,
                  rows_per_gpu * args.agent_tokens, kl=args.kl, checkpointing=args.activation_checkpointing,
-                 gpu_memory_gb=args.gpu_memory_gb, vllm_memory=args.vllm_memory)
+                 gpu_memory_gb=args.gpu_memory_gb, vllm_memory=args.vllm_memory, vllm_sleep=args.vllm_sleep)
     print(f"{args.model}, {args.algo}, {args.gpus} GPU(s), "
           f"{rows_per_gpu} trajectories x {args.max_total_tokens} tokens per GPU")
     for part, value in parts.items():

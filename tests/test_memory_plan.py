@@ -30,3 +30,19 @@ def test_the_plan_says_what_to_change_when_it_does_not_fit():
     # 7B PPO model state (policy + critic, fp32 master + grads + AdamW) is the issue's 219 GiB on one GPU.
     model_state = one_gpu["parameters"] + one_gpu["gradients"] + one_gpu["optimizer"] + one_gpu["critic"]
     assert 200 * memory_plan.GiB < model_state < 240 * memory_plan.GiB
+
+
+def test_vllm_asleep_frees_its_share_during_the_update_but_not_during_the_rollout():
+    # The issue's case: 0.5B GRPO on 8 GPUs without activation checkpointing does not fit with vLLM awake (82.4 GiB);
+    # asleep, the update's peak has no vLLM share. With checkpointing the update is small, and the rollout (the
+    # models' states, no gradients, activations or logits, vLLM awake) is the step's peak: the plan counts that.
+    shape, share = memory_plan.QWEN25["Qwen/Qwen2.5-0.5B-Instruct"], 0.3 * 80 * memory_plan.GiB
+    awake = memory_plan.plan(shape, "grpo", 8, 8 * 4096, 8 * 1024, vllm_memory=0.3)
+    asleep = memory_plan.plan(shape, "grpo", 8, 8 * 4096, 8 * 1024, vllm_memory=0.3, vllm_sleep=True)
+    assert awake["vLLM"] == share and asleep["vLLM"] == 0
+    assert "does NOT fit" in memory_plan.advice(awake, 80) and memory_plan.advice(asleep, 80).startswith("fits")
+    assert sum(awake.values()) - sum(asleep.values()) == share
+    small = memory_plan.plan(shape, "grpo", 8, 8 * 4096, 8 * 1024, checkpointing=True, vllm_memory=0.3,
+                             vllm_sleep=True)
+    assert 0 < small["vLLM"] < share
+    assert sum(small.values()) == pytest.approx(small["parameters"] + small["optimizer"] + share)

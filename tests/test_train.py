@@ -221,6 +221,8 @@ def test_environment_tokens_get_no_gradient(tiny_batch):
     (["--env_options", "[3]"], "--env_options must be a JSON object"),
     (["--dr_grpo", "--algo", "ppo"], "--dr_grpo changes GRPO's advantages"),
     (["--env", "synthetic_q"], "invalid choice: 'synthetic_q'"),
+    (["--vllm_sleep"], "--vllm_sleep frees GPU memory: it needs --sampler vllm on a GPU"),
+    (["--sampler", "vllm", "--vllm_sleep", "--device", "cpu"], "vLLM has no sleep mode on a CPU"),
 ])
 def test_bad_configurations_fail_with_their_message(argv, message, capsys):
     with pytest.raises(SystemExit):
