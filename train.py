@@ -45,6 +45,7 @@ import sft
 from nanoagent.checkpoint import latest_checkpoint, load_trainer_state, load_training_states, save_checkpoint
 from nanoagent.common import (UserError, autodetect_device_type, autodetect_dtype, compute_cleanup, compute_init,
                               print0, rng_state, seed_everything, set_rng_state)
+from nanoagent.lora import add_lora
 from nanoagent.models import load_critic, load_model, resolve_model_path, sample_as_trained
 from nanoagent.parallel import (clip_gradients, forward_through_root, gather_objects, is_sharded, shard_model,
                                 sum_over_ranks, sums_over_ranks)
@@ -67,6 +68,7 @@ def get_args(argv=None):
     # Model
     add("--model", default="tiny", help="Hub name, local checkpoint directory, or 'tiny'")
     add("--device", default=None, choices=["cpu", "cuda"], help="default: cuda if available")
+    add("--lora_rank", type=int, default=0, help="train rank-R LoRA adapters on the policy, not its weights (0: off)")
     # Supervised warm-up (sft.py)
     add("--warmup_clean_steps", type=int, default=1200, help="SFT steps on correct demonstrations of the easy version")
     add("--warmup_steps", type=int, default=300, help="then SFT steps on flawed demonstrations (0: no warm-up at all)")
@@ -163,6 +165,7 @@ def get_args(argv=None):
     check(args.tis_cap is None or args.tis_cap > 0, "--tis_cap must be positive")
     check(args.max_new_tokens < args.max_total_tokens, "--max_new_tokens must be below --max_total_tokens")
     check(args.steps >= 1 and args.ppo_epochs >= 1, "--steps and --ppo_epochs must be at least 1")
+    check(args.lora_rank >= 0, "--lora_rank must be 0 (off) or a positive rank")
     check(args.critic_warmup == 0 or args.algo == "ppo", "--critic_warmup needs a critic (--algo ppo)")
     check(args.kl != "in_reward" or args.algo != "grpo",
           "--kl in_reward needs per-token credit: use --kl loss with GRPO")
@@ -242,6 +245,8 @@ def set_up(args):
     built_on = torch.device("meta") if is_sharded() else device
     policy, tokenizer = load_model(model_path, device=built_on)
     sample_as_trained(policy, args.temperature)  # what checkpoints' generation_config.json will say
+    if args.lora_rank:  # before sharding: the adapters are sharded with their layers (nanoagent/lora.py)
+        add_lora(policy, args.lora_rank)
     policy = shard_model(policy.train(), device, args.activation_checkpointing)
     critic = None
     if args.algo == "ppo":  # the critic starts from the policy checkpoint (or is restored with it)
@@ -250,8 +255,8 @@ def set_up(args):
     reference = None
     if args.kl != "none":
         reference = shard_model(load_model(reference_path, device=built_on, dtype=dtype)[0], device)
-    optimizers = {"policy": (policy, torch.optim.AdamW(policy.parameters(), lr=args.lr, betas=(0.9, 0.99),
-                                                       weight_decay=0.0))}
+    trainable = [parameter for parameter in policy.parameters() if parameter.requires_grad]  # LoRA: A and B only
+    optimizers = {"policy": (policy, torch.optim.AdamW(trainable, lr=args.lr, betas=(0.9, 0.99), weight_decay=0.0))}
     if critic is not None:
         optimizers["critic"] = (critic, torch.optim.AdamW(critic.parameters(), lr=args.critic_lr, weight_decay=0.0))
     if trainer_state is not None:

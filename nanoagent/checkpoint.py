@@ -2,6 +2,7 @@
 
     out_dir/
       step_000100/            policy: config.json, model.safetensors, tokenizer files (save_pretrained)
+        adapter/              with --lora_rank: the LoRA adapter alone, in peft's format (the policy is merged)
         critic/               PPO's critic, also an HF directory
         optimizer/            the fp32 master weights and the optimizers' states, sharded as in training
                               (torch.distributed.checkpoint)
@@ -32,6 +33,7 @@ from torch.distributed.checkpoint.state_dict import (get_model_state_dict, get_o
                                                      set_model_state_dict, set_optimizer_state_dict)
 
 from nanoagent.common import UserError, print0
+from nanoagent.lora import save_adapter
 from nanoagent.parallel import full_state_dict, is_sharded
 
 MANIFEST = "manifest.json"
@@ -105,6 +107,8 @@ def save_checkpoint(out_dir, step, policy, tokenizer, trainer_state, critic=None
                     config.update(dtype=str(dtype).removeprefix("torch."),
                                   architectures=[type(model).__name__.removeprefix("FSDP")])
                     config_file.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+                if hasattr(model, "peft_config"):  # --lora_rank: the adapter alone too (the export above is merged)
+                    save_adapter(model, subdirectory / "adapter", master)
         if optimizers:  # collective: when it returns, every rank's shards are written
             with single_process_quiet():
                 states = training_states(optimizers)

@@ -28,6 +28,7 @@ from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
 from nanoagent.common import autodetect_dtype
+from nanoagent.lora import base_name, merged
 
 
 def is_sharded():
@@ -109,9 +110,11 @@ def full_weights(model, dtype=None):
     """Yield (HF name, full tensor) for every entry of model's state dict, cast to dtype if given, one parameter
     at a time: never the whole model at once. Every rank must consume it to the end, in the same order (each
     sharded parameter is one all-gather). A tied LM head comes under its own name too: vLLM needs it (a push
-    without it leaves the engine's head at the old weights; tests/test_vllm_sampler.py catches that)."""
-    for name, tensor in model.state_dict().items():
-        full = tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
+    without it leaves the engine's head at the old weights; tests/test_vllm_sampler.py catches that). A policy
+    with LoRA adapters comes merged, in float32 before the cast (lora.merged): the base model's names and shapes."""
+    gathered = ((name, tensor.full_tensor() if isinstance(tensor, DTensor) else tensor)
+                for name, tensor in model.state_dict().items())
+    for name, full in merged(model, gathered):
         yield name, full if dtype is None else full.to(dtype)
 
 
@@ -120,7 +123,7 @@ def full_state_dict(model, dtype=None):
     parameter, a tied parameter once under its first name, as save_pretrained writes it: it drops a tied copy
     only when it sees the tie, which it does not in gathered tensors (a sharded model's would be stored twice)."""
     master = not is_sharded() or dist.get_rank() == 0
-    owned = {name for name, _ in model.named_parameters()} | {name for name, _ in model.named_buffers()}
+    owned = {base_name(name) for name, _ in [*model.named_parameters(), *model.named_buffers()]}
     return {name: tensor.cpu() for name, tensor in full_weights(model, dtype) if master and name in owned}
 
 

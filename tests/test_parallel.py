@@ -78,7 +78,8 @@ def warmed_up():
     ["--algo", "reinforce_pp"],
     ["--starpo_s", "--filter_ratio", "0.5"],  # PPO with a critic, groups ranked over both ranks' batches
     ["--algo", "grpo", "--kl", "loss", "--loss_agg", "seq-mean-token-mean", "--entropy_coef", "0.01"],
-], ids=["grpo", "reinforce_pp", "starpo_s", "grpo_kl_seqmean"])
+    ["--algo", "grpo", "--lora_rank", "4"],  # adapters sharded with their layers, the sampler's copy given the merge
+], ids=["grpo", "reinforce_pp", "starpo_s", "grpo_kl_seqmean", "grpo_lora"])
 def test_two_ranks_take_the_same_step_as_one_process(flags, tmp_path, warmed_up):
     # Rollouts do not depend on the split (per-episode sampling seeds): the 2 ranks together see the one
     # process's batch. Anything left per rank (token counts, whitening, filtering, metrics) breaks equality.

@@ -14,10 +14,13 @@ from pathlib import Path
 import pytest
 import safetensors.torch
 import torch
+from peft import PeftModel
+from transformers import AutoModelForCausalLM
 
 import train
 from nanoagent.checkpoint import checkpoint_problem, latest_checkpoint
 from nanoagent.common import UserError
+from nanoagent.lora import base_name
 from nanoagent.models import load_critic, load_model
 from nanoagent.sampler import Generation, TorchSampler
 from rollout import Trajectory
@@ -447,6 +450,28 @@ def test_a_bf16_checkpoint_exports_in_bf16_and_resumes_exactly_from_the_fp32_mas
     shutil.copytree(tmp_path / "straight", tmp_path / "broken")
     shutil.rmtree(tmp_path / "broken" / "step_000002")
     resumed, _ = train.main(flags + ["--out_dir", str(tmp_path / "broken"), "--resume"])
+    for name, tensor in parameters_of(resumed).items():
+        assert torch.equal(tensor, masters[name]), name
+
+
+def test_a_lora_checkpoint_holds_the_merged_model_and_the_adapter_and_resumes_exactly(tmp_path, single_thread):
+    flags = BANDIT + ["--lora_rank", "4", "--steps", "2", "--save_every", "1"]
+    straight, _ = train.main(flags + ["--out_dir", str(tmp_path / "straight")])
+    exported = tmp_path / "straight" / "step_000002"
+    merged = AutoModelForCausalLM.from_pretrained(exported).state_dict()
+    start = train.warm_up(train.get_args(flags))  # the frozen base: the warmed-up model
+    base = load_model(start)[0].state_dict()
+    assert all(torch.equal(base[base_name(name)], tensor)  # all but A and B as they started
+               for name, tensor in straight.state_dict().items() if ".lora_" not in name)
+    assert not torch.equal(merged["model.layers.0.mlp.down_proj.weight"], base["model.layers.0.mlp.down_proj.weight"])
+    via_peft = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(start), exported / "adapter")
+    via_peft = via_peft.merge_and_unload().state_dict()
+    assert merged.keys() == via_peft.keys()
+    assert all(torch.allclose(merged[name], via_peft[name], atol=1e-6, rtol=0) for name in merged)
+    shutil.copytree(tmp_path / "straight", tmp_path / "broken")
+    shutil.rmtree(tmp_path / "broken" / "step_000002")
+    resumed, _ = train.main(flags + ["--out_dir", str(tmp_path / "broken"), "--resume"])
+    masters = parameters_of(straight)
     for name, tensor in parameters_of(resumed).items():
         assert torch.equal(tensor, masters[name]), name
 

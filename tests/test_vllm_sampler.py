@@ -17,6 +17,7 @@ import pytest
 import torch
 
 from envs import SyntheticQAEnv
+from nanoagent.lora import add_lora
 from nanoagent.models import save_tiny_model
 from nanoagent.sampler import TorchSampler
 from rollout import rollout
@@ -109,6 +110,18 @@ def test_update_weights_brings_the_mismatch_back_under_1e_5(engine):
     finally:
         sampler.update_weights(model, torch.float32)  # the other tests share the engine
     assert largest_logprob_error(model, PROMPTS, sampler.generate(PROMPTS, 16, seed=[1, 2, 3, 4]), 1.0) <= 1e-5
+
+
+def test_a_lora_policy_is_pushed_merged(engine):
+    sampler, model, _, _ = engine
+    trainer_model = trained_copy(add_lora(copy.deepcopy(model), rank=4))  # the step moved A and B alone
+    try:
+        sampler.update_weights(trainer_model, torch.float32)  # W + s·B·A under the base model's names
+        generations = sampler.generate(PROMPTS, 16, seed=[1, 2, 3, 4])
+        assert largest_logprob_error(trainer_model, PROMPTS, generations, 1.0) <= 1e-5
+        assert largest_logprob_error(model, PROMPTS, generations, 1.0) > 1e-2  # the adapters changed the model
+    finally:
+        sampler.update_weights(model, torch.float32)
 
 
 def test_skipping_update_weights_is_caught(engine):
