@@ -226,6 +226,7 @@ def test_environment_tokens_get_no_gradient(tiny_batch):
     (["--env", "synthetic_q"], "invalid choice: 'synthetic_q'"),
     (["--vllm_sleep"], "--vllm_sleep frees GPU memory: it needs --sampler vllm on a GPU"),
     (["--sampler", "vllm", "--vllm_sleep", "--device", "cpu"], "vLLM has no sleep mode on a CPU"),
+    (["--lora_rank", "-1"], "--lora_rank must be 0 (off) or a positive rank"),
 ])
 def test_bad_configurations_fail_with_their_message(argv, message, capsys):
     with pytest.raises(SystemExit):
