@@ -11,7 +11,9 @@ without vLLM, `pip install -r requirements-dev.txt` is enough):
 2. 20 GRPO steps on CUDA in bf16 with the TorchSampler (bench/bench_train.py): step time, tokens/s,
    achieved FLOP/s and MFU against the card's bf16 peak;
 3. the same with the VLLMSampler, when vLLM is installed, then 3 steps with the engine asleep during
-   each update (--vllm_sleep: the weight push wakes it);
+   each update (--vllm_sleep: the weight push wakes it), and 3 with LoRA adapters (--lora_rank 16: sharded
+   with their layers, the merged weights pushed; its FLOP count is full fine-tuning's, which LoRA's frozen
+   weights do not all spend);
 4. the samplers' tokens/s on the GPU (bench/bench_sampler.py): TorchSampler, model.generate, and
    VLLMSampler when vLLM is installed;
 5. the FSDP2 bf16-mixed path on its own: PPO with a critic and a KL reference, activation checkpointing,
@@ -65,6 +67,7 @@ def main():
         if importlib.util.find_spec("vllm") is not None:
             run(bench + ["--sampler", "vllm"])
             run(bench + ["--sampler", "vllm", "--vllm_sleep", "--steps", "3"])
+            run(bench + ["--sampler", "vllm", "--lora_rank", "16", "--steps", "3"])
         else:
             print("\nvLLM is not installed: the VLLMSampler runs are skipped (pip install -r requirements-gpu.txt)")
     run([sys.executable, "bench/bench_sampler.py", "--device", "cuda"])
