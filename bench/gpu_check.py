@@ -21,6 +21,7 @@ without vLLM, `pip install -r requirements-dev.txt` is enough):
    warning of a view returned by a sharded root made an error, then the HF checkpoint loaded with
    AutoModelForCausalLM: tie restored, the head stored once, the sampling train.py used in
    generation_config.json. Every GPU run takes this path (a single GPU is a 1-rank FSDP2 group).
+It ends with one table: each of the above, passed or failed (a failure does not stop the rest).
 The model has Qwen2.5-0.5B's shape (24 layers, width 896) with random weights and the tiny model's
 tokenizer, built here, so nothing is downloaded; it skips the warm-up, so it fails the tasks, and its
 turns run to their token limit: this measures speed, not learning.
@@ -42,11 +43,14 @@ QWEN25_05B_SHAPE = dict(hidden_size=896, num_hidden_layers=24, num_attention_hea
                         intermediate_size=4864)
 
 
-def run(command):
-    """Run a command, showing it and its output; stop the check if it fails."""
-    print("\n$ " + " ".join(command), flush=True)
-    if subprocess.run(command).returncode != 0:
-        sys.exit(f"failed: {' '.join(command)}")
+VERIFIED = []  # (what a command verifies, whether it passed): the table printed at the end
+
+
+def run(what, command):
+    """Run a command, showing it and its output, and record whether it verified `what`; a failure does not
+    stop the check, so that the table says everything a lent GPU could show."""
+    print(f"\n# {what}\n$ " + " ".join(command), flush=True)
+    VERIFIED.append((what, subprocess.run(command).returncode == 0))
 
 
 def main():
@@ -56,34 +60,42 @@ def main():
     if not torch.cuda.is_available():
         sys.exit("gpu_check needs a CUDA GPU; on CPU, run the test suite and bench/bench_train.py instead")
     print(f"{torch.cuda.get_device_name()} | torch {torch.__version__} | CUDA {torch.version.cuda}")
-    run([sys.executable, "-m", "pytest", "-q", "-m", "gpu", "tests/test_gpu.py"])
+    run("GPU tests: samplers' log-probs vs the trainer's, bf16 training, vLLM weight sync",
+        [sys.executable, "-m", "pytest", "-q", "-m", "gpu", "tests/test_gpu.py"])
     with tempfile.TemporaryDirectory() as model_dir:
         tokenizer = tiny_tokenizer()
         tiny_model(tokenizer, **QWEN25_05B_SHAPE).save_pretrained(model_dir)
         tokenizer.save_pretrained(model_dir)
         bench = [sys.executable, "bench/bench_train.py", "--device", "cuda", "--model", model_dir,
                  "--warmup_steps", "0", *(["--peak_tflops", str(cli.peak_tflops)] if cli.peak_tflops else [])]
-        run(bench)
+        run("0.5B shape, bf16 GRPO, TorchSampler: step time and MFU", bench)
         if importlib.util.find_spec("vllm") is not None:
-            run(bench + ["--sampler", "vllm"])
-            run(bench + ["--sampler", "vllm", "--vllm_sleep", "--steps", "3"])
-            run(bench + ["--sampler", "vllm", "--lora_rank", "16", "--steps", "3"])
+            run("0.5B shape, bf16 GRPO, VLLMSampler: step time and MFU", bench + ["--sampler", "vllm"])
+            run("--vllm_sleep: the engine asleep during the update", bench + ["--sampler", "vllm", "--vllm_sleep",
+                                                                             "--steps", "3"])
+            run("--lora_rank 16: merged weights pushed to vLLM", bench + ["--sampler", "vllm", "--lora_rank", "16",
+                                                                         "--steps", "3"])
         else:
             print("\nvLLM is not installed: the VLLMSampler runs are skipped (pip install -r requirements-gpu.txt)")
-    run([sys.executable, "bench/bench_sampler.py", "--device", "cuda"])
+    run("samplers' tokens/s", [sys.executable, "bench/bench_sampler.py", "--device", "cuda"])
     with tempfile.TemporaryDirectory() as out_dir:
         fsdp = [sys.executable, "-W", "error:FSDP2-wrapped module:UserWarning", "train.py", "--device", "cuda",
                 "--warmup_steps", "0", "--algo", "ppo", "--kl", "loss", "--activation_checkpointing", "--eval_every",
                 "0", "--save_every", "2", "--out_dir", out_dir]
-        run(fsdp + ["--steps", "2"])
-        run(fsdp + ["--steps", "3", "--resume"])
+        run("FSDP2 bf16 PPO + KL + activation checkpointing, no view warning", fsdp + ["--steps", "2"])
+        run("resume: sharded optimizer state and fp32 masters", fsdp + ["--steps", "3", "--resume"])
         load_and_check_the_tie = (
             "import sys, transformers, safetensors.torch; model = transformers.AutoModelForCausalLM.from_pretrained("
             "sys.argv[1]); assert model.lm_head.weight.data_ptr() == model.model.embed_tokens.weight.data_ptr(); "
             "assert 'lm_head.weight' not in safetensors.torch.load_file(sys.argv[1] + '/model.safetensors'); "
             "assert (model.generation_config.temperature, model.generation_config.top_p) == (1.0, 1.0); "
             "print('HF checkpoint loads, tie restored, head stored once, sampling as trained')")
-        run([sys.executable, "-c", load_and_check_the_tie, f"{out_dir}/step_000003"])
+        run("HF export: tie, head stored once, generation_config", [sys.executable, "-c", load_and_check_the_tie,
+                                                                     f"{out_dir}/step_000003"])
+    print("\n| what gpu_check verified | result |\n| --- | --- |")
+    for what, passed in VERIFIED:
+        print(f"| {what} | {'passed' if passed else 'FAILED'} |")
+    sys.exit(0 if all(passed for _, passed in VERIFIED) else 1)
 
 
 if __name__ == "__main__":
