@@ -134,7 +134,7 @@ class ToolEnv:
     The episode also ends after `max_turns` turns, then with no outcome reward."""
     system_prompt = "Answer the question. Give the final answer as <answer>...</answer>."
     warmup_options = {}  # options of an easier version, for the warm-up's first phase (sft.py)
-    max_new_tokens = 32  # train.py's default budget of one assistant turn
+    train_defaults = {}  # train.py flags this task needs other than train.DEFAULTS (the user's flags still win)
 
     def __init__(self, max_turns=4, outcome_reward=1.0, format_penalty=-0.1, format_reward=0.0,
                  process_reward=0.0, require_think=False, max_calls_per_turn=2, end_on_format_error=False):
@@ -534,8 +534,9 @@ class ComputeEnv(ToolEnv):
     answers with the number (exact match). Each kind has one program shape, so a tiny model can learn it."""
     system_prompt = ("Answer the question. Run a short Python program with the python tool that prints the "
                      "result, then give the number as <answer>...</answer>.")
-    warmup_options = {"kinds": ["product"]}  # one program shape first (sft.py)
-    max_new_tokens = 96  # a call carries its program
+    # A call carries its program (96 tokens); copying a many-digit number takes 4 layers, not 2, and the deeper
+    # model trains steadily at half the main job's learning rate (docs/results.md).
+    train_defaults = {"max_new_tokens": 96, "model": "tiny-deep", "lr": 5e-4}
     KINDS = {  # kind -> (question, program, the answer), filled in with the task's numbers a, b, c
         "product": ("What is {a} times {b}?", "print({a} * {b})", lambda a, b: a * b),
         "digit_sum": ("What is the sum of the digits of {a} to the power {b}?",
@@ -564,21 +565,28 @@ class ComputeEnv(ToolEnv):
 
     def demonstration(self, mistake_rate=0.0, rng=None) -> list[str]:
         """Assistant turns for the current episode (after reset), for sft.py: the kind's program, then the
-        number it prints. Each decision goes wrong with probability mistake_rate: a guess without a program,
-        or a digit miscopied into the program (the answer then follows the wrong program). The episode's
-        python tool becomes DEMONSTRATION_PYTHON_TOOL."""
+        number it prints. Each copy goes wrong with probability mistake_rate: a digit of the question miscopied
+        into the program, a digit of the printed number miscopied into the answer. The agent always calls the
+        tool (a guess instead, as QA's flawed demonstrations make, taught it to stop calling), and RL has the
+        copying to sharpen. The episode's python tool becomes DEMONSTRATION_PYTHON_TOOL."""
         rng = rng or random.Random(0)
         self.tools = {"python": DEMONSTRATION_PYTHON_TOOL}
-        if rng.random() < mistake_rate:
-            return [f"<answer>{rng.randint(1, 10 ** len(self.answers[0]))}</answer>"]
         numbers = dict(self.numbers)
         if rng.random() < mistake_rate:
             key = rng.choice(sorted(numbers))
-            digits = list(str(numbers[key]))
-            digits[rng.randrange(len(digits))] = str(rng.randrange(1, 10))
-            numbers[key] = int("".join(digits))
+            numbers[key] = miscopied(numbers[key], rng)
         _, program, solve = self.KINDS[self.kind]
-        return [format_tool_call("python", {"code": program.format(**numbers)}), f"<answer>{solve(**numbers)}</answer>"]
+        answer = solve(**numbers)
+        if rng.random() < mistake_rate:
+            answer = miscopied(answer, rng)
+        return [format_tool_call("python", {"code": program.format(**numbers)}), f"<answer>{answer}</answer>"]
+
+
+def miscopied(number: int, rng) -> int:
+    """`number` with one digit replaced by a random nonzero one (sometimes the same): a slip in copying it."""
+    digits = list(str(number))
+    digits[rng.randrange(len(digits))] = str(rng.randrange(1, 10))
+    return int("".join(digits))
 
 
 def final_number(text: str) -> str | None:
@@ -641,7 +649,7 @@ class GameEnv:
     (no <answer>, an unknown action, no leading <think> with `require_think`) executes nothing."""
     rules, actions = "", []
     warmup_options = {}  # as ToolEnv.warmup_options
-    max_new_tokens = 32  # as ToolEnv.max_new_tokens
+    train_defaults = {}  # as ToolEnv.train_defaults
 
     def __init__(self, max_turns=5, max_actions_per_turn=3, format_penalty=-0.1, require_think=False):
         assert max_turns >= 1 and max_actions_per_turn >= 1, "max_turns and max_actions_per_turn must be >= 1"

@@ -224,7 +224,7 @@ def main(argv=None):
                                      formatter_class=argparse.RawTextHelpFormatter)
     add = parser.add_argument
     # Models and sampling
-    add("--model", action="append", required=True, help="HF name, checkpoint dir or 'tiny'; repeat for rows")
+    add("--model", action="append", required=True, help="HF name, checkpoint dir, 'tiny' or 'tiny-deep'; repeat")
     add("--sampler", choices=["torch", "vllm"], default=None, help="default: vllm on a GPU, else torch")
     add("--vllm_memory", type=float, default=0.5, help="--sampler vllm on GPUs: its share of the card's memory")
     add("--temperature", type=float, nargs="+", default=[0.0], help="0 = greedy; several give several rows")

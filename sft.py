@@ -31,7 +31,7 @@ import masks
 import rollout
 from nanoagent.checkpoint import save_atomically
 from nanoagent.common import print0
-from nanoagent.models import cache_dir, load_model, resolve_model_path
+from nanoagent.models import TINY_MODELS, cache_dir, load_model, resolve_model_path
 
 
 def assistant_token_mask(tokenizer, input_ids):
@@ -91,9 +91,9 @@ def warm_up(model_name, env_name, env_kwargs, clean_steps=1200, steps=300, batch
     envs.EVAL_SEED_START). Returns the checkpoint path, cached by every argument and warm_up_code_hash."""
     env_class = envs.ENVS[env_name]
     assert hasattr(env_class, "demonstration"), f"--env {env_name} has no demonstrations: pass --warmup_steps 0"
-    # The key names the model ('tiny' by its recipe's directory), not the cache's path: moving it must not retrain.
+    # The key names the model (a tiny one by its recipe's directory), not the cache's path: moving it must not retrain.
     resolved = resolve_model_path(model_name)
-    model_key = Path(resolved).name if model_name == "tiny" else str(model_name)
+    model_key = Path(resolved).name if model_name in TINY_MODELS else str(model_name)
     settings = dict(model=model_key, env=env_name, env_kwargs=env_kwargs, clean_steps=clean_steps, steps=steps,
                     batch_size=batch_size, lr=lr, mistake_rate=mistake_rate, num_episodes=num_episodes, seed=seed,
                     code=warm_up_code_hash())

@@ -58,7 +58,9 @@ from nanoagent.sampler import TorchSampler
 # RAGEN's StarPO-S in one flag: keep the top 25% of groups by reward std, decoupled clipping 0.2/0.28,
 # no KL, and a critic (PPO). Explicit flags override these.
 STARPO_S = {"algo": "ppo", "filter_ratio": 0.25, "clip_low": 0.2, "clip_high": 0.28, "kl": "none"}
-DEFAULTS = {"algo": "grpo", "filter_ratio": 1.0, "clip_low": 0.2, "clip_high": 0.2, "kl": "none"}
+# The defaults of the flags that StarPO-S or an env (its `train_defaults`, e.g. the compute task's) may change.
+DEFAULTS = {"algo": "grpo", "filter_ratio": 1.0, "clip_low": 0.2, "clip_high": 0.2, "kl": "none", "model": "tiny",
+            "max_new_tokens": 32, "lr": 1e-3}
 
 
 def get_args(argv=None):
@@ -66,7 +68,8 @@ def get_args(argv=None):
     parser = argparse.ArgumentParser(description="Multi-turn agent RL: PPO, GRPO, REINFORCE++.")
     add = parser.add_argument
     # Model
-    add("--model", default="tiny", help="Hub name, local checkpoint directory, or 'tiny'")
+    add("--model", default=None, help="Hub name, local checkpoint directory, 'tiny' or 'tiny-deep' (default: tiny, "
+        "or the env's)")
     add("--device", default=None, choices=["cpu", "cuda"], help="default: cuda if available")
     add("--lora_rank", type=int, default=0, help="train rank-R LoRA adapters on the policy, not its weights (0: off)")
     # Supervised warm-up (sft.py)
@@ -84,7 +87,7 @@ def get_args(argv=None):
     # Rollout
     add("--prompts_per_step", type=int, default=8, help="env seeds per step, over all ranks")
     add("--group_size", type=int, default=8, help="samples per seed (a GRPO group)")
-    add("--max_new_tokens", type=int, default=None, help="per assistant turn (default: the env's, 32 or 96)")
+    add("--max_new_tokens", type=int, default=None, help="per assistant turn (default: 32, or the env's)")
     add("--max_total_tokens", type=int, default=512, help="per episode")
     add("--temperature", type=float, default=1.0)
     add("--truncated_reward", default="keep", choices=["keep", "zero"],
@@ -119,7 +122,7 @@ def get_args(argv=None):
     add("--steps", type=int, default=100)
     add("--ppo_epochs", type=int, default=1)
     add("--minibatch_size", type=int, default=None, help="trajectories per update (default: all)")
-    add("--lr", type=float, default=1e-3)
+    add("--lr", type=float, default=None, help="default: 1e-3, or the env's")
     add("--critic_lr", type=float, default=3e-3)
     add("--critic_warmup", type=int, default=0, help="steps that train only the critic")
     add("--entropy_coef", type=float, default=0.0)
@@ -136,10 +139,9 @@ def get_args(argv=None):
     add("--wandb", default=None, help="a wandb project name to log to (needs wandb installed)")
     args = parser.parse_args(argv)
 
-    for key, value in {**DEFAULTS, **(STARPO_S if args.starpo_s else {})}.items():
+    for key, value in {**DEFAULTS, **envs.ENVS[args.env].train_defaults, **(STARPO_S if args.starpo_s else {})}.items():
         if getattr(args, key) is None:  # flags the user gave win
             setattr(args, key, value)
-    args.max_new_tokens = args.max_new_tokens or envs.ENVS[args.env].max_new_tokens
     args.kl_estimator = args.kl_estimator or ("k1" if args.kl == "in_reward" else "k3")
     # Dr.GRPO is two changes (Liu et al. 2025): no std division, and each trajectory's token sum divided by
     # a constant (max_total_tokens) instead of by its own length. One without the other keeps a bias.

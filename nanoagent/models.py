@@ -8,7 +8,8 @@ nothing else. Two ways to get one:
 - `load_model("tiny")`: a ~0.45M-parameter Qwen2-architecture model with a small byte-level BPE vocabulary
   (so CPU training is fast), built deterministically, saved as an ordinary HF directory and loaded from it
   like a Qwen2.5 checkpoint. It speaks Qwen2.5's chat template (same special tokens, same `<tool_call>` /
-  `<tool_response>` markup), so the tiny model is a special case nowhere but here.
+  `<tool_response>` markup), so the tiny model is a special case nowhere but here. `load_model("tiny-deep")`
+  is the same with 4 layers instead of 2, for the compute task (envs.ComputeEnv's `train_defaults`).
 
 `load_critic(path)` builds PPO's critic from the policy checkpoint, as Agent-R1 and RAGEN initialise theirs.
 """
@@ -176,6 +177,8 @@ def tiny_tokenizer():
 # runs this model too. 128 wide with 4 heads: the smallest shape that learns reliably (see docs/results.md).
 TINY_SHAPE = dict(hidden_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                   intermediate_size=256)
+# Copying a string of single-digit tokens (a printed number into an answer) takes more depth than copying a name.
+TINY_MODELS = {"tiny": TINY_SHAPE, "tiny-deep": {**TINY_SHAPE, "num_hidden_layers": 4}}
 
 
 def tiny_model(tokenizer, seed=0, **shape):
@@ -198,10 +201,10 @@ def tiny_model(tokenizer, seed=0, **shape):
     return model
 
 
-def save_tiny_model(path, seed=0):
-    """Build the tiny model and tokenizer and save them as an ordinary HF checkpoint directory."""
+def save_tiny_model(path, seed=0, **shape):
+    """Build the tiny model (`shape` as in tiny_model) and tokenizer and save them as an HF checkpoint directory."""
     tokenizer = tiny_tokenizer()
-    model = tiny_model(tokenizer, seed=seed)
+    model = tiny_model(tokenizer, seed=seed, **shape)
 
     def save(directory):
         model.save_pretrained(directory)
@@ -213,14 +216,15 @@ def save_tiny_model(path, seed=0):
 # Loading
 
 def resolve_model_path(name_or_path):
-    """Map 'tiny' to its cached directory (built on first use); anything else is returned as is. The
-    directory is named after a hash of the recipe's data, so changing it never loads a stale build; a
+    """Map a name of TINY_MODELS to its cached directory (built on first use); anything else is returned as
+    is. The directory is named after a hash of the recipe's data, so changing it never loads a stale build; a
     change to the building code itself must add what it changes to `recipe`."""
-    if name_or_path == "tiny":
-        recipe = json.dumps([TINY_CORPUS, TINY_EXTRA_TOKENS, TINY_NAMES, TINY_SHAPE, QWEN25_CHAT_TEMPLATE])
-        path = cache_dir() / f"tiny-{hashlib.sha256(recipe.encode()).hexdigest()[:10]}"
+    if name_or_path in TINY_MODELS:
+        shape = TINY_MODELS[name_or_path]
+        recipe = json.dumps([TINY_CORPUS, TINY_EXTRA_TOKENS, TINY_NAMES, shape, QWEN25_CHAT_TEMPLATE])
+        path = cache_dir() / f"{name_or_path}-{hashlib.sha256(recipe.encode()).hexdigest()[:10]}"
         if not (path / "config.json").exists():
-            save_tiny_model(path)
+            save_tiny_model(path, **shape)
         return str(path)
     return str(name_or_path)
 

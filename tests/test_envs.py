@@ -646,17 +646,24 @@ def test_compute_env_answers_are_what_its_programs_print():
 
 
 def test_compute_env_flawed_demonstrations():
-    env, rng, outcomes = envs.ComputeEnv(kinds=["product"]), random.Random(0), Counter()
-    for seed in range(60):
+    env, rng, outcomes = envs.ComputeEnv(), random.Random(0), Counter()
+    for seed in range(120):
         env.reset(seed)
         turns = env.demonstration(0.5, rng)
         results = [env.step(turn) for turn in turns]
-        if len(turns) == 1:
-            outcomes["guessed"] += 1
-        else:  # a miscopied digit: the answer follows what the wrong program printed
-            assert f"<answer>{results[0].observations[0]['content'].strip()}</answer>" == turns[1]
-            outcomes["solved" if results[-1].info["success"] else "miscopied"] += 1
-    assert min(outcomes.values()) >= 5, outcomes
+        code = tools.parse_tool_calls(turns[0])[0].arguments["code"]
+        program_copied = code == envs.ComputeEnv.KINDS[env.kind][1].format(**env.numbers)
+        answer_copied = f"<answer>{results[0].observations[0]['content'].strip()}</answer>" == turns[1]
+        # Always a program; it succeeds when both copies are right, and only by chance otherwise (a count that
+        # the program's slip does not change, an answer's slip that lands on the right number).
+        assert len(turns) == 2 and (results[-1].info["success"] or not (program_copied and answer_copied))
+        outcomes[program_copied, answer_copied] += 1
+        outcomes["lucky"] += results[-1].info["success"] and not (program_copied and answer_copied)
+    assert min(outcomes[copies] for copies in [(True, True), (True, False), (False, True), (False, False)]) >= 15
+    assert outcomes["lucky"] <= 12, outcomes
+    assert envs.miscopied(7, random.Random(0)) in range(1, 10) and envs.miscopied(12345, rng) // 10000 in range(1, 10)
+    slips = [envs.miscopied(123456, random.Random(seed)) for seed in range(50)]
+    assert all(sum(a != b for a, b in zip(str(slip), "123456")) <= 1 for slip in slips) and len(set(slips)) > 20
 
 
 def test_math_env_on_a_gsm8k_sample_in_the_hubs_schema(tmp_path):

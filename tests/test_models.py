@@ -3,9 +3,10 @@ rebuilt Qwen2.5 tokenizer."""
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer
+import train
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
-from nanoagent.models import load_critic, load_model, save_tiny_model, tiny_tokenizer
+from nanoagent.models import load_critic, load_model, resolve_model_path, save_tiny_model, tiny_tokenizer
 from tests.qwen25_tokenizer import qwen25_tokenizer
 
 CONVERSATION = [
@@ -34,6 +35,18 @@ def test_tiny_save_and_auto_load_round_trip(tmp_path):
     assert tokenizer.get_vocab() == AutoTokenizer.from_pretrained(tmp_path / "again").get_vocab()
     ids = torch.tensor([tokenizer("Who directed Kalo?").input_ids])
     assert model(ids).logits.shape == (1, ids.shape[1], model.config.vocab_size)
+
+
+def test_tiny_models_by_name_and_the_envs_defaults(tmp_path, monkeypatch):
+    monkeypatch.setenv("NANOAGENT_CACHE", str(tmp_path))
+    tiny, deep = resolve_model_path("tiny"), resolve_model_path("tiny-deep")
+    assert tiny != deep and resolve_model_path("tiny-deep") == deep  # built once, then found in the cache
+    layers = [AutoConfig.from_pretrained(path).num_hidden_layers for path in (tiny, deep)]
+    assert layers == [2, 4] and AutoTokenizer.from_pretrained(deep).get_vocab() == tiny_tokenizer().get_vocab()
+    compute, default = train.get_args(["--env", "compute"]), train.get_args([])
+    assert (compute.model, compute.max_new_tokens, compute.lr) == ("tiny-deep", 96, 5e-4)  # the env's train_defaults
+    assert (default.model, default.max_new_tokens, default.lr) == ("tiny", 32, 1e-3)
+    assert train.get_args(["--env", "compute", "--model", "tiny", "--lr", "1e-3"]).model == "tiny"  # flags win
 
 
 def test_tiny_tokens_and_generation_stop():
