@@ -195,12 +195,15 @@ def rollout(sampler, tokenizer, make_env, seeds, group_size, max_turns, max_new_
     assert truncated_reward in ("keep", "zero"), f"truncated_reward must be 'keep' or 'zero', got {truncated_reward!r}"
     end_of_turn = tokenizer.convert_tokens_to_ids(END_OF_TURN)
     stop_token_ids = [tokenizer.convert_tokens_to_ids(token) for token in STOP_TOKENS]
-    episodes = []  # (env, trajectory, member)
+    episodes, prompts = [], {}  # (env, trajectory, member); rendered openings: a group's members mostly share one
     for group_id, seed in enumerate(seeds):
         for member in range(group_size):
             env = make_env()
             messages, tools = env.reset(seed, episode=member)
-            prompt = encode_chat(tokenizer, messages, tools, add_generation_prompt=True)
+            opening = json.dumps([messages, tools])
+            if opening not in prompts:
+                prompts[opening] = encode_chat(tokenizer, messages, tools, add_generation_prompt=True)
+            prompt = prompts[opening]
             trajectory = Trajectory(token_ids=[], action_mask=[], logprobs=[], prompt_length=len(prompt),
                                     turn_rewards=[], turn_end_positions=[], turn_infos=[], score=0.0, group_id=group_id,
                                     seed=seed, truncated=False, num_turns=0, messages=list(messages),

@@ -19,6 +19,7 @@ model learns to act, not to predict tool output. The result is an HF checkpoint,
 
 import hashlib
 import json
+import os
 import random
 from pathlib import Path
 
@@ -27,11 +28,10 @@ import transformers
 from tqdm import tqdm
 
 import envs
-import masks
 import rollout
 from nanoagent.checkpoint import save_atomically
 from nanoagent.common import print0
-from nanoagent.models import TINY_MODELS, cache_dir, load_model, resolve_model_path
+from nanoagent.models import TINY_MODELS, cache_dir, load_model, resolve_model_path, shared_prompt_hidden
 
 
 def assistant_token_mask(tokenizer, input_ids):
@@ -70,8 +70,29 @@ def demonstrations(tokenizer, env_class, env_kwargs, num_episodes, mistake_rate,
     return examples
 
 
+def demonstration_loss(model, batch, pad_token_id, device="cpu"):
+    """Next-token cross-entropy on the assistant's tokens of a batch [(ids, mask)] of demonstrations. They all
+    open with their env's system prompt and tool schemas (about half their tokens): the shared opening runs
+    once (shared_prompt_hidden), and the LM head only where the loss reads."""
+    length = max(len(ids) for ids, _ in batch)
+    input_ids = torch.full((len(batch), length), pad_token_id)  # (B, T), right padded
+    attention_mask, loss_mask = torch.zeros_like(input_ids), torch.zeros_like(input_ids)  # (B, T)
+    for row, (ids, mask) in enumerate(batch):
+        input_ids[row, :len(ids)], attention_mask[row, :len(ids)] = torch.tensor(ids), 1
+        loss_mask[row, :len(mask)] = torch.tensor(mask)
+    # Shared up to the first token the loss reads at most: shared_prompt_hidden leaves the prompt's hidden
+    # states before its last token as garbage.
+    shared = min(len(os.path.commonprefix([ids for ids, _ in batch])), *(mask.index(1) for _, mask in batch))
+    input_ids, attention_mask = input_ids.to(device), attention_mask.to(device)
+    keep = loss_mask[:, 1:].bool().to(device)  # (B, T-1): position t predicts token t+1
+    prompt_lengths = torch.full((len(batch),), shared, device=device)  # (B,)
+    hidden = shared_prompt_hidden(model, input_ids, attention_mask, prompt_lengths)  # (B, T, D)
+    logits = model.get_output_embeddings()(hidden[:, :-1][keep])  # (K, V), K kept positions
+    return torch.nn.functional.cross_entropy(logits, input_ids[:, 1:][keep])
+
+
 # The files whose edit changes the warmed-up weights: they key the cache, so a stale warm-up is never reused.
-WARM_UP_CODE = ["sft.py", "envs.py", "tools.py", "rollout.py", "masks.py", "nanoagent/models.py",
+WARM_UP_CODE = ["sft.py", "envs.py", "tools.py", "rollout.py", "nanoagent/models.py",
                 "nanoagent/qwen25_chat_template.jinja"]
 
 
@@ -119,16 +140,7 @@ def warm_up(model_name, env_name, env_kwargs, clean_steps=1200, steps=300, batch
         progress = tqdm(range(phase_steps), desc=f"warm-up (SFT), {'correct' if phase == 0 else 'flawed'} demos")
         for _ in progress:
             batch = [examples[i] for i in torch.randint(len(examples), (batch_size,), generator=generator)]
-            length = max(len(ids) for ids, _ in batch)
-            input_ids = torch.full((batch_size, length), tokenizer.pad_token_id)  # (B, T), right padded
-            loss_mask = torch.zeros(batch_size, length)  # (B, T)
-            for row, (ids, mask) in enumerate(batch):
-                input_ids[row, :len(ids)] = torch.tensor(ids)
-                loss_mask[row, :len(mask)] = torch.tensor(mask, dtype=torch.float)
-            input_ids, loss_mask = input_ids.to(device), loss_mask.to(device)
-            logits = model(input_ids).logits[:, :-1]  # (B, T-1, V): position t predicts token t+1
-            token_loss = torch.nn.functional.cross_entropy(logits.transpose(1, 2), input_ids[:, 1:], reduction="none")
-            loss = masks.masked_mean(token_loss, loss_mask[:, 1:])
+            loss = demonstration_loss(model, batch, tokenizer.pad_token_id, device)
             loss.backward()
             torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
             optimizer.step()

@@ -1,0 +1,43 @@
+"""sft.py: the warm-up's loss against a plain loop, and the assistant-token mask by hand."""
+
+import random
+
+import torch
+
+import envs
+import rollout
+import sft
+from nanoagent.models import load_model
+
+
+def test_demonstration_loss_matches_a_plain_loop_in_value_and_gradients():
+    model, tokenizer = load_model("tiny")
+    batch = sft.demonstrations(tokenizer, envs.SyntheticQAEnv, {}, 5, 0.5, random.Random(0), first_seed=0)
+    batch.append(batch[0])  # a repeated demonstration shares all of its prompt with the first
+    assert len({len(ids) for ids, _ in batch}) > 1  # rows of different lengths: the padding is exercised
+    shared = sft.demonstration_loss(model, batch, tokenizer.pad_token_id)
+    shared.backward()
+    shared_grads = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad(set_to_none=True)
+    # Reference: each row on its own, every position through the LM head, the losses averaged over all
+    # assistant tokens of the batch.
+    total, count = 0.0, 0
+    for ids, mask in batch:
+        logits = model(torch.tensor([ids])).logits[0, :-1]  # (T-1, V)
+        losses = torch.nn.functional.cross_entropy(logits, torch.tensor(ids[1:]), reduction="none")
+        total, count = total + (losses * torch.tensor(mask[1:])).sum(), count + sum(mask[1:])
+    plain = total / count
+    plain.backward()
+    assert torch.allclose(shared, plain, atol=1e-5), (shared.item(), plain.item())
+    for parameter, shared_grad in zip(model.parameters(), shared_grads):
+        assert torch.allclose(parameter.grad, shared_grad, atol=1e-5, rtol=1e-4)
+
+
+def test_assistant_token_mask_by_hand():
+    _, tokenizer = load_model("tiny")
+    messages = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Yes"},
+                {"role": "tool", "content": "x"}, {"role": "assistant", "content": "No"}]
+    ids = rollout.encode_chat(tokenizer, messages, [])
+    mask = sft.assistant_token_mask(tokenizer, ids)
+    marked = tokenizer.decode([token for token, keep in zip(ids, mask) if keep])
+    assert marked == "Yes<|im_end|>No<|im_end|>"
