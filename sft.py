@@ -19,7 +19,6 @@ model learns to act, not to predict tool output. The result is an HF checkpoint,
 
 import hashlib
 import json
-import os
 import random
 from pathlib import Path
 
@@ -28,10 +27,11 @@ import transformers
 from tqdm import tqdm
 
 import envs
+import masks
 import rollout
 from nanoagent.checkpoint import save_atomically
 from nanoagent.common import print0
-from nanoagent.models import TINY_MODELS, cache_dir, load_model, resolve_model_path, shared_prompt_hidden
+from nanoagent.models import TINY_MODELS, cache_dir, load_model, resolve_model_path
 
 
 def assistant_token_mask(tokenizer, input_ids):
@@ -71,28 +71,24 @@ def demonstrations(tokenizer, env_class, env_kwargs, num_episodes, mistake_rate,
 
 
 def demonstration_loss(model, batch, pad_token_id, device="cpu"):
-    """Next-token cross-entropy on the assistant's tokens of a batch [(ids, mask)] of demonstrations. They all
-    open with their env's system prompt and tool schemas (about half their tokens): the shared opening runs
-    once (shared_prompt_hidden), and the LM head only where the loss reads."""
+    """Next-token cross-entropy on the assistant's tokens of a batch [(ids, mask)] of demonstrations. Their
+    shared opening (system prompt, tool schemas) could run once, as the trainer's prompts do, but that changes
+    the float order, and the warm-up is chaotic: the main job's default warm-up then never took off
+    (docs/performance.md)."""
     length = max(len(ids) for ids, _ in batch)
     input_ids = torch.full((len(batch), length), pad_token_id)  # (B, T), right padded
-    attention_mask, loss_mask = torch.zeros_like(input_ids), torch.zeros_like(input_ids)  # (B, T)
+    loss_mask = torch.zeros(len(batch), length)  # (B, T)
     for row, (ids, mask) in enumerate(batch):
-        input_ids[row, :len(ids)], attention_mask[row, :len(ids)] = torch.tensor(ids), 1
-        loss_mask[row, :len(mask)] = torch.tensor(mask)
-    # Shared up to the first token the loss reads at most: shared_prompt_hidden leaves the prompt's hidden
-    # states before its last token as garbage.
-    shared = min(len(os.path.commonprefix([ids for ids, _ in batch])), *(mask.index(1) for _, mask in batch))
-    input_ids, attention_mask = input_ids.to(device), attention_mask.to(device)
-    keep = loss_mask[:, 1:].bool().to(device)  # (B, T-1): position t predicts token t+1
-    prompt_lengths = torch.full((len(batch),), shared, device=device)  # (B,)
-    hidden = shared_prompt_hidden(model, input_ids, attention_mask, prompt_lengths)  # (B, T, D)
-    logits = model.get_output_embeddings()(hidden[:, :-1][keep])  # (K, V), K kept positions
-    return torch.nn.functional.cross_entropy(logits, input_ids[:, 1:][keep])
+        input_ids[row, :len(ids)] = torch.tensor(ids)
+        loss_mask[row, :len(mask)] = torch.tensor(mask, dtype=torch.float)
+    input_ids, loss_mask = input_ids.to(device), loss_mask.to(device)
+    logits = model(input_ids).logits[:, :-1]  # (B, T-1, V): position t predicts token t+1
+    token_loss = torch.nn.functional.cross_entropy(logits.transpose(1, 2), input_ids[:, 1:], reduction="none")
+    return masks.masked_mean(token_loss, loss_mask[:, 1:])
 
 
 # The files whose edit changes the warmed-up weights: they key the cache, so a stale warm-up is never reused.
-WARM_UP_CODE = ["sft.py", "envs.py", "tools.py", "rollout.py", "nanoagent/models.py",
+WARM_UP_CODE = ["sft.py", "envs.py", "tools.py", "rollout.py", "masks.py", "nanoagent/models.py",
                 "nanoagent/qwen25_chat_template.jinja"]
 
 
