@@ -11,9 +11,9 @@ without vLLM, `pip install -r requirements-dev.txt` is enough):
 2. 20 GRPO steps on CUDA in bf16 with the TorchSampler (bench/bench_train.py): step time, tokens/s,
    achieved FLOP/s and MFU against the card's bf16 peak;
 3. the same with the VLLMSampler, when vLLM is installed, then 3 steps with the engine asleep during
-   each update (--vllm_sleep: the weight push wakes it), and 3 with LoRA adapters (--lora_rank 16: sharded
-   with their layers, the merged weights pushed; its FLOP count is full fine-tuning's, which LoRA's frozen
-   weights do not all spend);
+   each update (--vllm_sleep: the weight push wakes it); then 3 with LoRA adapters (--lora_rank 16, with
+   vLLM when installed: sharded with their layers, the merged weights pushed; its FLOP count is full
+   fine-tuning's, which LoRA's frozen weights do not all spend);
 4. the samplers' tokens/s on the GPU (bench/bench_sampler.py): TorchSampler, model.generate, and
    VLLMSampler when vLLM is installed;
 5. the FSDP2 bf16-mixed path on its own: PPO with a critic and a KL reference, activation checkpointing,
@@ -69,14 +69,15 @@ def main():
         bench = [sys.executable, "bench/bench_train.py", "--device", "cuda", "--model", model_dir,
                  "--warmup_steps", "0", *(["--peak_tflops", str(cli.peak_tflops)] if cli.peak_tflops else [])]
         run("0.5B shape, bf16 GRPO, TorchSampler: step time and MFU", bench)
-        if importlib.util.find_spec("vllm") is not None:
+        has_vllm = importlib.util.find_spec("vllm") is not None
+        if has_vllm:
             run("0.5B shape, bf16 GRPO, VLLMSampler: step time and MFU", bench + ["--sampler", "vllm"])
             run("--vllm_sleep: the engine asleep during the update", bench + ["--sampler", "vllm", "--vllm_sleep",
                                                                              "--steps", "3"])
-            run("--lora_rank 16: merged weights pushed to vLLM", bench + ["--sampler", "vllm", "--lora_rank", "16",
-                                                                         "--steps", "3"])
         else:
             print("\nvLLM is not installed: the VLLMSampler runs are skipped (pip install -r requirements-gpu.txt)")
+        run("--lora_rank 16: adapters sharded, the merged weights pushed to the sampler",
+            bench + ["--sampler", "vllm" if has_vllm else "torch", "--lora_rank", "16", "--steps", "3"])
     run("samplers' tokens/s", [sys.executable, "bench/bench_sampler.py", "--device", "cuda"])
     with tempfile.TemporaryDirectory() as out_dir:
         fsdp = [sys.executable, "-W", "error:FSDP2-wrapped module:UserWarning", "train.py", "--device", "cuda",
