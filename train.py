@@ -115,7 +115,8 @@ def get_args(argv=None):
     add("--no_action_mask", action="store_true", help="ablation: environment tokens enter the loss too")
     add("--on_echo_trap", default="warn", choices=["warn", "stabilize"],
         help="when the Echo-Trap monitor fires: only warn, or also switch on variance filtering "
-             "(--filter_ratio 0.25) and halve the learning rate (see stabilize_on_echo_trap)")
+             "(--filter_ratio 0.25) and halve the learning rate; measured, it stalled more runs than it "
+             "rescued (docs/results.md)")
     add("--tis_cap", type=float, default=None, help="truncated importance sampling: weight each token "
         "by min(pi_trainer_old / pi_sampler, cap), for a sampler whose kernels differ (default: off)")
     # Optimization
@@ -209,7 +210,7 @@ class Run:
 
 # Flags a resumed run may change: how long it runs and how it reports (any other would make it another run).
 RESUMABLE_FLAGS = {"steps", "resume", "eval_every", "eval_episodes", "save_every", "wandb", "out_dir", "device",
-                   "vllm_memory", "vllm_sleep"}
+                   "vllm_memory", "vllm_sleep", "on_echo_trap"}
 
 
 def set_up(args):
@@ -579,7 +580,7 @@ def evaluate_held_out(sampler, tokenizer, args, rank=0, world_size=1, device="cp
     return {"eval_success": successes / count, "eval_score": score / count}
 
 
-# Candidate early signs of collapse, logged every step; which of them leads a collapse is yet to be measured.
+# Candidate early signs of collapse, logged every step; bench/reproduce.py collapse_signals measures which lead.
 PROBE_PROMPTS = 8  # RAGEN-2's probe scores N first turns after N prompts: N^2 short rows, chance 1/N
 
 
@@ -642,9 +643,15 @@ def recent_change(history, key, window=5):
     return history[-1][key] / baseline - 1 if baseline else 0.0
 
 
+# The signal that best separated collapses from healthy runs on the study's fitting seeds (docs/results.md,
+# "Which signals lead a collapse"): RAGEN-2's retrieval accuracy, as a 3-step mean, from step 6 on.
+RETRIEVAL_ACCURACY_FLOOR, RETRIEVAL_WINDOW, RETRIEVAL_FIRST_STEP = 0.54, 3, 6
+
+
 def echo_trap_warnings(history, window=5):
-    """RAGEN's early signs of collapse, on `window`-step averages: in-group reward std fading, gradient norm
-    spiking. Each warning names its metric, value and threshold, and what to try."""
+    """Early signs of collapse: RAGEN-2's retrieval accuracy falling (responses that stop depending on their
+    prompts), and RAGEN's in-group reward std fading and gradient norm spiking, on `window`-step averages.
+    Each warning names its metric, value and threshold, and what to try."""
     def smoothed(key, end):
         return statistics.fmean(h[key] for h in history[max(0, end - window):end])
     warnings, steps = [], len(history)
@@ -655,6 +662,12 @@ def echo_trap_warnings(history, window=5):
             warnings.append(f"group_reward_std {now:.3f} ({window}-step mean) is below 0.2x its peak {peak:.3f} = "
                             f"{0.2 * peak:.3f} while success {success:.2f} < 0.9: groups answer alike (Echo Trap); "
                             "try --filter_ratio 0.25 (StarPO-S), a higher --temperature, or --on_echo_trap stabilize")
+    accuracy = [h["retrieval_accuracy"] for h in history[-RETRIEVAL_WINDOW:] if "retrieval_accuracy" in h]
+    if (steps >= RETRIEVAL_FIRST_STEP and len(accuracy) == RETRIEVAL_WINDOW
+            and statistics.fmean(accuracy) < RETRIEVAL_ACCURACY_FLOOR):
+        warnings.append(f"retrieval_accuracy {statistics.fmean(accuracy):.2f} ({RETRIEVAL_WINDOW}-step mean) is below "
+                        f"{RETRIEVAL_ACCURACY_FLOOR}: responses depend less on their prompts (RAGEN-2's template "
+                        "collapse); try --starpo_s from the start, or --on_echo_trap stabilize")
     recent = [h["grad_norm"] for h in history[-21:-1]]
     median = statistics.median(recent) if len(recent) >= 10 else 0.0
     if median > 1e-6 and history[-1]["grad_norm"] > 10 * median:

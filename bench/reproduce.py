@@ -1,13 +1,14 @@
 """
-Reproduce the papers' findings at laptop scale: Agent-R1's table, RAGEN's Echo Trap and rollout shaping, and
-the action-mask ablation, on the tiny model, on CPU. One command per study (docs/results.md, "Reproducing the
-papers"):
+Reproduce the papers' findings at laptop scale: Agent-R1's table, RAGEN's Echo Trap and rollout shaping, the
+action-mask ablation, and which signals lead a collapse (RAGEN-2), on the tiny model, on CPU. One command per
+study (docs/results.md, "Reproducing the papers"):
 
     python bench/reproduce.py agent_r1        # GRPO / PPO / REINFORCE++ vs Base Tool Call, Naive RAG, No Retrieval
     python bench/reproduce.py echo_trap       # vanilla GRPO and PPO vs StarPO-S and --on_echo_trap stabilize
     python bench/reproduce.py shaping         # responses per prompt at 64 trajectories a step; Online-k
     python bench/reproduce.py mask_ablation   # the loss on agent tokens only, or on every token
-    python bench/reproduce.py all             # the four, one after another
+    python bench/reproduce.py collapse_signals --seeds 8   # which logged signal leads a collapse, and the rescue
+    python bench/reproduce.py all             # all five, one after another
     python bench/reproduce.py agent_r1 --quick   # tiny settings: checks the pipeline in a minute (the notebook test)
 
 Every method of a study gets the same budget (steps x trajectories per step) and the same seeds. Seeds vary the
@@ -50,7 +51,7 @@ def warm_model():
     return str(train.starting_weights(train.get_args([])))
 
 
-def run(out, name, flags, seed, steps):
+def run(out, name, flags, seed, steps, save_every=None):
     """One training run, or its saved result: {"history": train.main's per-step metrics, "checkpoint": path}."""
     run_dir = out / "runs" / f"{name}-seed{seed}"
     result_file = run_dir / "result.json"
@@ -58,8 +59,8 @@ def run(out, name, flags, seed, steps):
         return json.loads(result_file.read_text())
     shutil.rmtree(run_dir, ignore_errors=True)  # an interrupted run starts over
     started = time.time()
-    _, history = train.main(flags + ["--warmup_steps", "0", "--steps", str(steps), "--save_every", str(steps),
-                                     "--seed", str(seed), "--out_dir", str(run_dir)])
+    _, history = train.main(flags + ["--warmup_steps", "0", "--steps", str(steps), "--seed", str(seed),
+                                     "--save_every", str(save_every or steps), "--out_dir", str(run_dir)])
     result = {"history": history, "checkpoint": str(run_dir / f"step_{steps:06d}"), "seconds": time.time() - started}
     result_file.write_text(json.dumps(result))
     return result
@@ -100,14 +101,14 @@ def training_success(history):
     return [h["success"] for h in history if "success" in h]
 
 
-def collapse_step(history, window=5, drop=0.5):
+def collapse_step(history, window=5, drop=0.5, floor=0.2):
     """The first step at which training success, averaged over `window` steps, falls below `drop` x its best
-    earlier average (after the best reached 0.2): RAGEN's collapse, read off the reward curve. None: no collapse."""
+    earlier average (after the best reached `floor`): RAGEN's collapse, read off the reward curve. None: none."""
     success = training_success(history)
     best = 0.0
     for end in range(window, len(success) + 1):
         average = statistics.fmean(success[end - window:end])
-        if best >= 0.2 and average < drop * best:
+        if best >= floor and average < drop * best:
             return end
         best = max(best, average)
     return None
@@ -256,8 +257,157 @@ def mask_ablation(out, seeds, steps, episodes):
     return results
 
 
+# -----------------------------------------------------------------------------
+# Which signals lead a collapse: each signal train.py logs, with the direction that warns and a threshold fitted
+# on one set of seeds, then counted on fresh ones (docs/results.md, "Which signals lead a collapse").
+
+SIGNALS = {"retrieval_accuracy": -1, "mutual_information": -1, "zero_variance_groups": +1,  # metric -> +1: a rise
+           "response_tokens_change": +1, "turns_change": -1, "void_turns": +1, "invalid_call_rate": +1,  # warns,
+           "approx_kl_max": +1, "clip_fraction_max": +1, "logprob_mismatch": +1, "grad_norm": +1,  # -1: a fall
+           "group_reward_std": -1, "entropy": -1}
+SMOOTH, FIRST_STEP = 3, 6  # a signal is its 3-step mean; none fires before step 6, while the first means settle
+
+
+def signal_steps(history, key):
+    """[(step, the SMOOTH-step mean of `key` up to it)] for the training steps from FIRST_STEP on."""
+    values = [h[key] for h in history if "grad_norm" in h]  # training steps (held-out evaluations have their own)
+    return [(end, statistics.fmean(values[end - SMOOTH:end])) for end in range(FIRST_STEP, len(values) + 1)]
+
+
+def first_firing(history, key, threshold):
+    """The first step at which `key`'s mean is past `threshold` in its warning direction; None: never."""
+    return next((step for step, value in signal_steps(history, key) if SIGNALS[key] * (value - threshold) > 0), None)
+
+
+def lead_record(collapses, firings):
+    """Per run its collapse step and first firing (None: none). A collapse is caught when the signal fired before
+    it (the lead: how many steps before); a firing in a run that does not collapse is a false alarm."""
+    leads = [c - f for c, f in zip(collapses, firings) if c is not None and f is not None and f < c]
+    return {"collapses": sum(c is not None for c in collapses), "caught": len(leads), "leads": leads,
+            "healthy": sum(c is None for c in collapses),
+            "false_alarms": sum(c is None and f is not None for c, f in zip(collapses, firings))}
+
+
+def fit_threshold(histories, collapses, key):
+    """The threshold on `key`, among the values these runs took, with the best Youden's J (the share of collapses
+    caught minus the share of healthy runs alarmed), fewer false alarms breaking ties; of the equally good, the
+    middle one, as far from both kinds of error as these runs allow. Returns (threshold, J)."""
+    def score(threshold):
+        record = lead_record(collapses, [first_firing(h, key, threshold) for h in histories])
+        return (record["caught"] / max(record["collapses"], 1) - record["false_alarms"] / max(record["healthy"], 1),
+                -record["false_alarms"])
+    values = sorted({value for history in histories for _, value in signal_steps(history, key)}) or [0.0]
+    scores = {value: score(value) for value in values[::max(1, len(values) // 200)]}
+    top = [value for value, result in scores.items() if result == max(scores.values())]
+    return top[len(top) // 2], scores[top[len(top) // 2]][0]
+
+
+def describe(record):
+    """'caught / collapses, lead median (range); false alarms / healthy' for a table cell."""
+    leads = record["leads"]
+    lead = f", lead {statistics.median(leads):g} ({min(leads)}-{max(leads)})" if leads else ""
+    return f"{record['caught']}/{record['collapses']}{lead}; {record['false_alarms']}/{record['healthy']} false"
+
+
+def branch(out, source, at, flags, seed, steps, response):
+    """Continue the run `source` from its checkpoint at step `at`, with `--on_echo_trap response`: two branches
+    from one checkpoint (same weights, optimizer, RNG) differ by the response (and CPU float noise)."""
+    run_dir = out / "runs" / f"{Path(source).name}-from{at}-{response}"
+    result_file = run_dir / "result.json"
+    if result_file.exists():
+        return json.loads(result_file.read_text())
+    shutil.rmtree(run_dir, ignore_errors=True)
+    shutil.copytree(Path(source) / f"step_{at:06d}", run_dir / f"step_{at:06d}")
+    started = time.time()
+    _, history = train.main(flags + ["--warmup_steps", "0", "--steps", str(steps), "--save_every", str(steps),
+                                     "--seed", str(seed), "--out_dir", str(run_dir), "--resume",
+                                     "--on_echo_trap", response])
+    result = {"history": history, "checkpoint": str(run_dir / f"step_{steps:06d}"), "seconds": time.time() - started}
+    result_file.write_text(json.dumps(result))
+    return result
+
+
+def ragen_rules_firing(history):
+    """The first step at which train.py's monitor warns on RAGEN's own rules (in-group reward std fading, gradient
+    norm spiking), the retrieval-accuracy rule left out; None: never."""
+    steps = [{key: value for key, value in h.items() if key != "retrieval_accuracy"}
+             for h in history if "grad_norm" in h]
+    return next((end for end in range(1, len(steps) + 1) if train.echo_trap_warnings(steps[:end])), None)
+
+
+def collapse_signals(out, seeds, steps, episodes):
+    """Which logged signal leads a collapse: the Echo-Trap setting (the main job, 4 updates of 16 a step) with
+    vanilla GRPO, PPO and StarPO-S; thresholds fitted on `seeds`, counted on as many fresh seeds and at 3x the lr;
+    then the rescue, from the checkpoint where the best signal fired, continued with and without the response."""
+    common = ["--model", warm_model(), "--minibatch_size", "16", "--eval_every", "0"]
+    methods = {"GRPO": ["--algo", "grpo"], "PPO": ["--algo", "ppo"], "StarPO-S": ["--starpo_s"]}
+    settings = {"main": [], "lr3": ["--lr", "3e-3"]}  # the main job, and at 3x its learning rate
+    fresh = [seed + len(seeds) for seed in seeds]
+
+    def histories(setting, seed_list, save_every=steps):  # {method: [history per seed]}
+        return {method: [run(out, f"signals-{setting}-{method}", common + settings[setting] + flags, seed, steps,
+                             save_every)["history"] for seed in seed_list] for method, flags in methods.items()}
+    by_method = {"fit": histories("main", seeds), "fresh": histories("main", fresh, save_every=1),  # to branch
+                 "lr3": histories("lr3", seeds)}
+    sets = {name: [h for runs in groups.values() for h in runs] for name, groups in by_method.items()}
+    fitting, collapses = sets["fit"], {name: [collapse_step(h) for h in runs] for name, runs in sets.items()}
+    rows, results = [("RAGEN's rules (train.py's monitor before)", "-", "-", *(describe(lead_record(
+        collapses[name], [ragen_rules_firing(h) for h in runs])) for name, runs in sets.items()))], {}
+    for key in SIGNALS:
+        threshold, j = fit_threshold(fitting, collapses["fit"], key)
+        records = {name: lead_record(collapses[name], [first_firing(h, key, threshold) for h in runs])
+                   for name, runs in sets.items()}
+        results[key] = {"threshold": threshold, "j_fit": j, **records}
+        rows.append((key, f"{'>' if SIGNALS[key] > 0 else '<'} {threshold:.3g}", f"{j:.2f}",
+                     *(describe(record) for record in records.values())))
+    notes = []  # what became of each method's runs
+    for name, groups in by_method.items():
+        for method, runs in groups.items():
+            success = [training_success(history) for history in runs]
+            notes.append(f"{name}, {method}: {sum(collapse_step(h) is not None for h in runs)} of {len(runs)} "
+                         f"collapsed, {sum(max(s) < 0.2 for s in success)} never passed 0.2 training success; "
+                         f"last 10 steps {spread([statistics.fmean(s[-10:]) for s in success])}")
+    # The rescue: from each fresh main-job run's checkpoint at the step the best signal fired, on twice.
+    best = max(results, key=lambda key: (results[key]["j_fit"], statistics.fmean(results[key]["fit"]["leads"] or [0])))
+    pairs, fired_at = [], lambda source: first_firing(json.loads((source / "result.json").read_text())["history"],
+                                                      best, results[best]["threshold"])
+    for seed in fresh:
+        for method, flags in methods.items():
+            source = out / "runs" / f"signals-main-{method}-seed{seed}"
+            fired = fired_at(source)
+            if results[best]["j_fit"] <= 0 or fired is None or fired >= steps:
+                continue  # no signal beats chance on the fitting seeds, or this one never fired
+            branches = {response: branch(out, source, fired, common + flags, seed, steps, response)
+                        for response in ("warn", "stabilize")}
+            lr = branches["warn"]["history"][0]["lr"]  # the branch that only warns keeps its learning rate
+            acted = next((h["step"] for h in branches["stabilize"]["history"] if h.get("lr", lr) < lr), None)
+            pairs.append({"run": source.name, "fired": fired, "acted": acted, **{response: {
+                "collapse_step": collapse_step(result["history"]), "seconds": result["seconds"],
+                "held_out_success": held_out(result["checkpoint"], "synthetic_qa", {}, episodes)["success"]}
+                for response, result in branches.items()}})
+    results["rescue"] = {"signal": best, "pairs": pairs}
+    would_collapse = [pair for pair in pairs if pair["warn"]["collapse_step"] is not None]
+    notes.append(f"rescue, --on_echo_trap stabilize on {best}: it fired in {len(pairs)} fresh runs; of the "
+                 f"{len(would_collapse)} whose branch without the response collapsed, "
+                 f"{sum(pair['stabilize']['collapse_step'] is None for pair in would_collapse)} did not with it")
+    for pair in pairs:
+        notes.append(f"rescue, {pair['run']} from step {pair['fired']} (stabilize acted at step {pair['acted']}): "
+                     + "; ".join(
+            f"{response}: collapse step {pair[response]['collapse_step']}, held-out success "
+            f"{pair[response]['held_out_success']:.3f}, {pair[response]['seconds']:.0f} s"
+            for response in ("warn", "stabilize")))
+    write_table(out / "table.md", f"Which signals lead a collapse ({steps} steps, 4 updates of 16 a step; GRPO, PPO, "
+                f"StarPO-S x {len(seeds)} seeds a set)", ["signal (3-step mean)", "fires when", "J (fit)",
+                f"fit: main job, seeds {seeds[0]}-{seeds[-1]}", f"fresh: seeds {fresh[0]}-{fresh[-1]}",
+                f"fresh: lr 3e-3, seeds {seeds[0]}-{seeds[-1]}"], rows,
+                ["each cell: collapses caught ahead / collapses, lead in steps median (range); false alarms / "
+                 "runs that did not collapse", "collapse: the 5-step training success falls below half its best",
+                 *notes])
+    return results
+
+
 STUDIES = {"agent_r1": (agent_r1, 40), "echo_trap": (echo_trap, 60), "shaping": (shaping, 40),
-           "mask_ablation": (mask_ablation, 40)}
+           "mask_ablation": (mask_ablation, 40), "collapse_signals": (collapse_signals, 60)}
 
 
 def main(argv=None):

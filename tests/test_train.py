@@ -258,6 +258,12 @@ def test_echo_trap_monitor_warns_on_std_collapse_and_grad_spike():
     assert train.echo_trap_warnings(spike)[0].startswith("grad_norm 50.00 is above 10x its median 1.00 over the "
                                                          "last 12 steps = 10.00")
     assert "--lr" in train.echo_trap_warnings(spike)[0]
+    # RAGEN-2's retrieval accuracy: its 3-step mean below 0.54 (the study's fitted threshold) warns.
+    probe = lambda accuracies: calm + [{**calm[0], "retrieval_accuracy": a} for a in accuracies]
+    assert train.echo_trap_warnings(probe([0.75, 0.5, 0.5])) == []  # (0.75 + 0.5 + 0.5) / 3 = 0.58
+    assert train.echo_trap_warnings(probe([0.75, 0.5, 0.5, 0.5]))[0].startswith(
+        "retrieval_accuracy 0.50 (3-step mean) is below 0.54: responses depend less on their prompts")
+    assert train.echo_trap_warnings(probe([0.0] * 3)[-5:]) == []  # not before step 6: the first means are noise
 
 
 # -----------------------------------------------------------------------------
@@ -489,17 +495,19 @@ def test_resume_after_lost_steps_logs_each_step_once(tmp_path):
 
 
 def test_grpo_learns_synthetic_multi_hop_qa(tmp_path):
-    # train.py's main job for 40 steps, after its default warm-up (cached: notebook 04 builds the same one).
-    # An RL run is chaotic, so the bounds sit far outside the spread measured on 2026-11-23 from empty
-    # caches (2-core CPU, the locked versions): from this warm-up, held-out success went from 1.6-6.2%
-    # at step 0 to 85-96% at step 40 on every RL seed tried (--seed 0 to 6). The warm-up seed matters
-    # more: of 4 warm-up seeds, 2 gave the same curve, one never took off, and one reached 66% at step 20
-    # and collapsed to 0% by step 40 (an Echo Trap). So the test keeps train.py's default warm-up seed.
-    _, history = train.main(["--steps", "40", "--eval_every", "40", "--eval_episodes", "128",
+    # train.py's main job for 60 steps, after its default warm-up (cached: notebook 04 builds the same one).
+    # An RL run is chaotic, and the warm-up's float sums differ between CPUs and thread counts, which moves the
+    # step where RL takes off; so the bounds sit outside the spread measured from empty caches. On a 2-core AVX2
+    # CPU (2026-11-23): held-out success 1.6-6.2% at step 0, 85-96% at step 40 on every RL seed tried (--seed 0 to
+    # 6). On a 2-core AVX-512 CPU (2026-11-26), 2 threads: 3.9% at step 0, 20% at step 40, 61% at 50, 80% at 60;
+    # its 1-thread warm-up: 7% at step 0, 55% (1 thread) and 69% (2 threads) at step 40. The warm-up seed matters
+    # more: of 4 warm-up seeds, 2 gave the same curve, one never took off, and one reached 66% at step 20 and
+    # collapsed to 0% by step 40 (an Echo Trap). So the test keeps train.py's default warm-up seed.
+    _, history = train.main(["--steps", "60", "--eval_every", "60", "--eval_episodes", "128",
                              "--out_dir", str(tmp_path / "qa")])
     start, end = history[0]["eval_success"], history[-1]["eval_success"]
     assert start < 0.2  # the warm-up leaves a weak agent
-    assert end > 0.6  # held-out seeds: GRPO learns to chain the two searches
+    assert end > 0.5  # held-out seeds: GRPO learns to chain the two searches
 
 
 def test_grpo_learns_to_compute_with_the_python_tool(tmp_path):
