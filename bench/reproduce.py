@@ -265,7 +265,7 @@ SIGNALS = {"retrieval_accuracy": -1, "mutual_information": -1, "zero_variance_gr
            "response_tokens_change": +1, "turns_change": -1, "void_turns": +1, "invalid_call_rate": +1,  # warns,
            "approx_kl_max": +1, "clip_fraction_max": +1, "logprob_mismatch": +1, "grad_norm": +1,  # -1: a fall
            "group_reward_std": -1, "entropy": -1}
-SMOOTH, FIRST_STEP = 3, 6  # a signal is its 3-step mean; none fires before step 6, while the first means settle
+SMOOTH, FIRST_STEP = train.RETRIEVAL_WINDOW, train.RETRIEVAL_FIRST_STEP  # 3-step means, from step 6: as train.py
 
 
 def signal_steps(history, key):
