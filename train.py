@@ -60,7 +60,7 @@ from nanoagent.sampler import TorchSampler
 STARPO_S = {"algo": "ppo", "filter_ratio": 0.25, "clip_low": 0.2, "clip_high": 0.28, "kl": "none"}
 # The defaults of the flags that StarPO-S or an env (its `train_defaults`, e.g. the compute task's) may change.
 DEFAULTS = {"algo": "grpo", "filter_ratio": 1.0, "clip_low": 0.2, "clip_high": 0.2, "kl": "none", "model": "tiny",
-            "max_new_tokens": 32, "lr": 1e-3}
+            "max_new_tokens": 32, "lr": 1e-3, "warmup_lr": 3e-3, "warmup_mistake_rate": 0.6}
 
 
 def get_args(argv=None):
@@ -75,8 +75,9 @@ def get_args(argv=None):
     # Supervised warm-up (sft.py)
     add("--warmup_clean_steps", type=int, default=1200, help="SFT steps on correct demonstrations of the easy version")
     add("--warmup_steps", type=int, default=300, help="then SFT steps on flawed demonstrations (0: no warm-up at all)")
-    add("--warmup_mistake_rate", type=float, default=0.6, help="chance each flawed-demonstration decision is wrong")
-    add("--warmup_lr", type=float, default=3e-3)
+    add("--warmup_mistake_rate", type=float, default=None,
+        help="chance each flawed-demonstration decision is wrong (default: 0.6, or the env's)")
+    add("--warmup_lr", type=float, default=None, help="default: 3e-3, or the env's")
     # Environment
     add("--env", default="synthetic_qa", choices=sorted(envs.ENVS))
     add("--env_options", default="{}", help='JSON constructor options, e.g. \'{"hops": 3}\'')

@@ -511,18 +511,18 @@ def test_grpo_learns_synthetic_multi_hop_qa(tmp_path):
 
 
 def test_grpo_learns_to_compute_with_the_python_tool(tmp_path):
-    # The compute task's recipe (its train_defaults: the 4-layer tiny-deep model, lr 5e-4) on digit sums alone,
-    # with a warm-up short enough for CI: 500 correct steps, then 300 in which each copy (the question's numbers
-    # into the program, the printed number into the answer) goes wrong at rate 0.85. Every RL episode runs its
-    # program in the sandbox. Measured 2026-11-25 from this warm-up (2-core CPU, one thread): held-out success
-    # 0.109 -> 0.516 after 20 steps with --seed 0, 0.047 -> 0.250 and 0.156 -> 0.328 with seeds 1 and 2; the
-    # bounds sit outside that spread. The full task's curve, slower, is in docs/results.md.
+    # The compute task's recipe (its train_defaults: the 4-layer tiny-deep model, lr 5e-4, warm-up lr 1e-3) on digit
+    # sums alone, with a warm-up short enough for CI: 700 correct steps (the copying skill arrived at 350-500 on
+    # an AVX-512 CPU), then 300 in which each copy (the question's numbers into the program, the printed number into
+    # the answer) goes wrong at the env's rate 0.85. Every RL episode runs its program in the sandbox. --seed seeds
+    # the warm-up and RL; measured 2026-11-26 (2-core AVX-512 CPU, one thread), held-out success at steps 0, 10, 20:
+    # seed 0 0.234, 0.523, 0.742; seed 1 0.133, 0.391, 0.664; seed 2 0.148, 0.391, 0.547. The bounds sit outside it.
     _, history = train.main(["--env", "compute", "--env_options", '{"kinds": ["digit_sum"]}',
-                             "--warmup_clean_steps", "500", "--warmup_steps", "300", "--warmup_mistake_rate", "0.85",
-                             "--steps", "20", "--eval_every", "20", "--out_dir", str(tmp_path / "compute")])
+                             "--warmup_clean_steps", "700", "--warmup_steps", "300", "--steps", "20",
+                             "--eval_every", "20", "--out_dir", str(tmp_path / "compute")])
     start, end = history[0]["eval_success"], history[-1]["eval_success"]
-    assert start < 0.2  # the warm-up leaves an agent that miscopies
-    assert end > start + 0.1  # held-out seeds: GRPO sharpens the copying
+    assert start < 0.35  # the warm-up leaves an agent that miscopies when it samples (greedy, it mostly copies right)
+    assert end > start + 0.2  # held-out seeds: GRPO sharpens the copying
     assert history[-1]["tool_calls"] >= 0.9  # and the agent still computes with the tool rather than guessing
 
 
