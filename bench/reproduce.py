@@ -51,13 +51,17 @@ def warm_model():
     return str(train.starting_weights(train.get_args([])))
 
 
-def run(out, name, flags, seed, steps, save_every=None):
-    """One training run, or its saved result: {"history": train.main's per-step metrics, "checkpoint": path}."""
+def run(out, name, flags, seed, steps, save_every=None, start_from=None):
+    """One training run, or its saved result: {"history": train.main's per-step metrics, "checkpoint": path}.
+    start_from: a checkpoint directory to continue from (--resume), as a branch of that run."""
     run_dir = out / "runs" / f"{name}-seed{seed}"
     result_file = run_dir / "result.json"
     if result_file.exists():
         return json.loads(result_file.read_text())
     shutil.rmtree(run_dir, ignore_errors=True)  # an interrupted run starts over
+    if start_from:
+        shutil.copytree(start_from, run_dir / Path(start_from).name)
+        flags = flags + ["--resume"]
     started = time.time()
     _, history = train.main(flags + ["--warmup_steps", "0", "--steps", str(steps), "--seed", str(seed),
                                      "--save_every", str(save_every or steps), "--out_dir", str(run_dir)])
@@ -312,19 +316,8 @@ def describe(record):
 def branch(out, source, at, flags, seed, steps, response):
     """Continue the run `source` from its checkpoint at step `at`, with `--on_echo_trap response`: two branches
     from one checkpoint (same weights, optimizer, RNG) differ by the response (and CPU float noise)."""
-    run_dir = out / "runs" / f"{Path(source).name}-from{at}-{response}"
-    result_file = run_dir / "result.json"
-    if result_file.exists():
-        return json.loads(result_file.read_text())
-    shutil.rmtree(run_dir, ignore_errors=True)
-    shutil.copytree(Path(source) / f"step_{at:06d}", run_dir / f"step_{at:06d}")
-    started = time.time()
-    _, history = train.main(flags + ["--warmup_steps", "0", "--steps", str(steps), "--save_every", str(steps),
-                                     "--seed", str(seed), "--out_dir", str(run_dir), "--resume",
-                                     "--on_echo_trap", response])
-    result = {"history": history, "checkpoint": str(run_dir / f"step_{steps:06d}"), "seconds": time.time() - started}
-    result_file.write_text(json.dumps(result))
-    return result
+    return run(out, f"{Path(source).name}-from{at}-{response}", flags + ["--on_echo_trap", response], seed, steps,
+               start_from=Path(source) / f"step_{at:06d}")
 
 
 def ragen_rules_firing(history):
