@@ -510,13 +510,15 @@ def test_grpo_learns_synthetic_multi_hop_qa(tmp_path):
     assert end > 0.5  # held-out seeds: GRPO learns to chain the two searches
 
 
-def test_grpo_learns_to_compute_with_the_python_tool(tmp_path):
+def test_grpo_learns_to_compute_with_the_python_tool(tmp_path, single_thread):
     # The compute task's recipe (its train_defaults: the 4-layer tiny-deep model, lr 5e-4, warm-up lr 1e-3) on digit
     # sums alone, with a warm-up short enough for CI: 700 correct steps (the copying skill arrived at 350-500 on
     # an AVX-512 CPU), then 300 in which each copy (the question's numbers into the program, the printed number into
     # the answer) goes wrong at the env's rate 0.85. Every RL episode runs its program in the sandbox. --seed seeds
     # the warm-up and RL; measured 2026-11-26 (2-core AVX-512 CPU, one thread), held-out success at steps 0, 10, 20:
     # seed 0 0.234, 0.523, 0.742; seed 1 0.133, 0.391, 0.664; seed 2 0.148, 0.391, 0.547. The bounds sit outside it.
+    # One thread, as measured: with two, in CI, RL from seed 0's warm-up broke at step 3 (invalid calls, success
+    # 0.21 -> 0.0), so this recipe's RL is still chaotic in the float order (docs/results.md).
     _, history = train.main(["--env", "compute", "--env_options", '{"kinds": ["digit_sum"]}',
                              "--warmup_clean_steps", "700", "--warmup_steps", "300", "--steps", "20",
                              "--eval_every", "20", "--out_dir", str(tmp_path / "compute")])
