@@ -535,11 +535,9 @@ class ComputeEnv(ToolEnv):
     system_prompt = ("Answer the question. Run a short Python program with the python tool that prints the "
                      "result, then give the number as <answer>...</answer>.")
     # A call carries its program (96 tokens); copying a many-digit number takes 4 layers, not 2. The deeper model
-    # trains steadily at half the main job's learning rate and warms up reliably at a third of its warm-up's (at
-    # 3e-3 the copying skill came late or never, by CPU); from that warm-up a weak agent takes a mistake rate of
+    # trains steadily at half the main job's learning rate; from its warm-up a weak agent takes a mistake rate of
     # 0.85 (docs/results.md).
-    train_defaults = {"max_new_tokens": 96, "model": "tiny-deep", "lr": 5e-4, "warmup_lr": 1e-3,
-                      "warmup_mistake_rate": 0.85}
+    train_defaults = {"max_new_tokens": 96, "model": "tiny-deep", "lr": 5e-4, "warmup_mistake_rate": 0.85}
     KINDS = {  # kind -> (question, program, the answer), filled in with the task's numbers a, b, c
         "product": ("What is {a} times {b}?", "print({a} * {b})", lambda a, b: a * b),
         "digit_sum": ("What is the sum of the digits of {a} to the power {b}?",

@@ -19,6 +19,7 @@ model learns to act, not to predict tool output. The result is an HF checkpoint,
 
 import hashlib
 import json
+import os
 import random
 from pathlib import Path
 
@@ -27,11 +28,10 @@ import transformers
 from tqdm import tqdm
 
 import envs
-import masks
 import rollout
 from nanoagent.checkpoint import save_atomically
 from nanoagent.common import print0
-from nanoagent.models import TINY_MODELS, cache_dir, load_model, resolve_model_path
+from nanoagent.models import TINY_MODELS, cache_dir, load_model, resolve_model_path, shared_prompt_hidden
 
 
 def assistant_token_mask(tokenizer, input_ids):
@@ -71,24 +71,28 @@ def demonstrations(tokenizer, env_class, env_kwargs, num_episodes, mistake_rate,
 
 
 def demonstration_loss(model, batch, pad_token_id, device="cpu"):
-    """Next-token cross-entropy on the assistant's tokens of a batch [(ids, mask)] of demonstrations. Their
-    shared opening (system prompt, tool schemas) could run once, as the trainer's prompts do, but that changes
-    the float order, and the warm-up is chaotic: the main job's default warm-up then never took off
-    (docs/performance.md)."""
+    """Next-token cross-entropy on the assistant's tokens of a batch [(ids, mask)] of demonstrations. They all
+    open with their env's system prompt and tool schemas (about half their tokens): the shared opening runs
+    once (shared_prompt_hidden), and the LM head only where the loss reads."""
     length = max(len(ids) for ids, _ in batch)
     input_ids = torch.full((len(batch), length), pad_token_id)  # (B, T), right padded
-    loss_mask = torch.zeros(len(batch), length)  # (B, T)
+    attention_mask, loss_mask = torch.zeros_like(input_ids), torch.zeros_like(input_ids)  # (B, T)
     for row, (ids, mask) in enumerate(batch):
-        input_ids[row, :len(ids)] = torch.tensor(ids)
-        loss_mask[row, :len(mask)] = torch.tensor(mask, dtype=torch.float)
-    input_ids, loss_mask = input_ids.to(device), loss_mask.to(device)
-    logits = model(input_ids).logits[:, :-1]  # (B, T-1, V): position t predicts token t+1
-    token_loss = torch.nn.functional.cross_entropy(logits.transpose(1, 2), input_ids[:, 1:], reduction="none")
-    return masks.masked_mean(token_loss, loss_mask[:, 1:])
+        input_ids[row, :len(ids)], attention_mask[row, :len(ids)] = torch.tensor(ids), 1
+        loss_mask[row, :len(mask)] = torch.tensor(mask)
+    # Shared up to the first token the loss reads at most: shared_prompt_hidden leaves the prompt's hidden
+    # states before its last token as garbage.
+    shared = min(len(os.path.commonprefix([ids for ids, _ in batch])), *(mask.index(1) for _, mask in batch))
+    input_ids, attention_mask = input_ids.to(device), attention_mask.to(device)
+    keep = loss_mask[:, 1:].bool().to(device)  # (B, T-1): position t predicts token t+1
+    prompt_lengths = torch.full((len(batch),), shared, device=device)  # (B,)
+    hidden = shared_prompt_hidden(model, input_ids, attention_mask, prompt_lengths)  # (B, T, D)
+    logits = model.get_output_embeddings()(hidden[:, :-1][keep])  # (K, V), K kept positions
+    return torch.nn.functional.cross_entropy(logits, input_ids[:, 1:][keep])
 
 
 # The files whose edit changes the warmed-up weights: they key the cache, so a stale warm-up is never reused.
-WARM_UP_CODE = ["sft.py", "envs.py", "tools.py", "rollout.py", "masks.py", "nanoagent/models.py",
+WARM_UP_CODE = ["sft.py", "envs.py", "tools.py", "rollout.py", "nanoagent/models.py",
                 "nanoagent/qwen25_chat_template.jinja"]
 
 
@@ -101,7 +105,7 @@ def warm_up_code_hash():
     return digest.hexdigest()[:12]
 
 
-def warm_up(model_name, env_name, env_kwargs, clean_steps=1200, steps=300, batch_size=16, lr=3e-3,
+def warm_up(model_name, env_name, env_kwargs, clean_steps=800, steps=150, batch_size=16, lr=1e-3,
             mistake_rate=0.6, num_episodes=3000, seed=0, device="cpu"):
     """Warms `model_name` up on demonstrations of `env_name`: `clean_steps` on correct ones, then `steps`
     on flawed ones (each decision wrong with probability `mistake_rate`), on training seeds only (below
@@ -123,6 +127,7 @@ def warm_up(model_name, env_name, env_kwargs, clean_steps=1200, steps=300, batch
     model.train()
     rng = random.Random(seed)
     phases = [(clean_steps, 0.0), (steps, mistake_rate)]  # phase 1 builds the skill, phase 2 its misuse
+    # lr 1e-3: at 3e-3 the skill's jump came late or never, depending on the seed and the CPU (docs/performance.md).
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
     # A short linear warm-up, then constant: decaying the rate before the jump only delays it.
     schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: min(1.0, (step + 1) / 20))

@@ -46,7 +46,7 @@ from nanoagent.checkpoint import latest_checkpoint, load_trainer_state, load_tra
 from nanoagent.common import (UserError, autodetect_device_type, autodetect_dtype, compute_cleanup, compute_init,
                               print0, rng_state, seed_everything, set_rng_state)
 from nanoagent.lora import add_lora
-from nanoagent.models import load_critic, load_model, resolve_model_path, sample_as_trained
+from nanoagent.models import load_critic, load_model, resolve_model_path, sample_as_trained, shared_prompt_hidden
 from nanoagent.parallel import (clip_gradients, forward_through_root, gather_objects, is_sharded, shard_model,
                                 sum_over_ranks, sums_over_ranks)
 from nanoagent.report import TRAJECTORIES, append_jsonl, trajectory_records
@@ -60,7 +60,7 @@ from nanoagent.sampler import TorchSampler
 STARPO_S = {"algo": "ppo", "filter_ratio": 0.25, "clip_low": 0.2, "clip_high": 0.28, "kl": "none"}
 # The defaults of the flags that StarPO-S or an env (its `train_defaults`, e.g. the compute task's) may change.
 DEFAULTS = {"algo": "grpo", "filter_ratio": 1.0, "clip_low": 0.2, "clip_high": 0.2, "kl": "none", "model": "tiny",
-            "max_new_tokens": 32, "lr": 1e-3, "warmup_lr": 3e-3, "warmup_mistake_rate": 0.6}
+            "max_new_tokens": 32, "lr": 1e-3, "warmup_mistake_rate": 0.6}
 
 
 def get_args(argv=None):
@@ -73,11 +73,11 @@ def get_args(argv=None):
     add("--device", default=None, choices=["cpu", "cuda"], help="default: cuda if available")
     add("--lora_rank", type=int, default=0, help="train rank-R LoRA adapters on the policy, not its weights (0: off)")
     # Supervised warm-up (sft.py)
-    add("--warmup_clean_steps", type=int, default=1200, help="SFT steps on correct demonstrations of the easy version")
-    add("--warmup_steps", type=int, default=300, help="then SFT steps on flawed demonstrations (0: no warm-up at all)")
+    add("--warmup_clean_steps", type=int, default=800, help="SFT steps on correct demonstrations of the easy version")
+    add("--warmup_steps", type=int, default=150, help="then SFT steps on flawed demonstrations (0: no warm-up at all)")
     add("--warmup_mistake_rate", type=float, default=None,
         help="chance each flawed-demonstration decision is wrong (default: 0.6, or the env's)")
-    add("--warmup_lr", type=float, default=None, help="default: 3e-3, or the env's")
+    add("--warmup_lr", type=float, default=1e-3, help="the warm-up's learning rate")
     # Environment
     add("--env", default="synthetic_qa", choices=sorted(envs.ENVS))
     add("--env_options", default="{}", help='JSON constructor options, e.g. \'{"hops": 3}\'')
@@ -137,7 +137,8 @@ def get_args(argv=None):
     add("--eval_every", type=int, default=10, help="steps between held-out evaluations (0: off)")
     add("--eval_episodes", type=int, default=128)
     add("--save_every", type=int, default=50)
-    add("--seed", type=int, default=0)
+    add("--seed", type=int, default=2,
+        help="seeds the warm-up and RL (2: the main job took off from it wherever measured; docs/performance.md)")
     add("--wandb", default=None, help="a wandb project name to log to (needs wandb installed)")
     args = parser.parse_args(argv)
 
@@ -381,40 +382,6 @@ def is_single_update(args, num_rows, step):
     (one pass fewer, as in TRL), unless KL in the reward needs them first or a critic warm-up step skips it."""
     return (args.ppo_epochs == 1 and (args.minibatch_size or num_rows) >= num_rows and args.kl != "in_reward"
             and step >= args.critic_warmup)
-
-
-def shared_prompt_hidden(model, input_ids, attention_mask, prompt_lengths):
-    """The model body's last hidden states (B, T, D) of right-padded rows, each distinct prompt run once: a
-    GRPO group's G members share their prompt, so every row runs only its rest, attending to the prompt's keys
-    and values as to a KV cache (gradients flow back as through G copies). Positions before each row's last
-    prompt token (whose predictions no loss reads) hold garbage."""
-    width, device = input_ids.shape[1], input_ids.device
-    distinct = {}  # prompt tokens -> its row in the prompt batch
-    owner = torch.tensor([distinct.setdefault(tuple(input_ids[row, :length].tolist()), len(distinct))
-                          for row, length in enumerate(prompt_lengths.tolist())], device=device)  # (B,)
-    # The distinct prompts, left-padded so that each ends in the last column; positions count real tokens.
-    prompt_width = int(prompt_lengths.max())
-    prompt_ids = torch.zeros(len(distinct), prompt_width, dtype=torch.long, device=device)  # (U, P)
-    prompt_mask = torch.zeros_like(prompt_ids)  # (U, P)
-    for prompt, row in distinct.items():
-        prompt_ids[row, prompt_width - len(prompt):] = torch.tensor(prompt, device=device)
-        prompt_mask[row, prompt_width - len(prompt):] = 1
-    prompt_out = model.base_model(input_ids=prompt_ids, attention_mask=prompt_mask,
-                                  position_ids=(prompt_mask.cumsum(dim=1) - 1).clamp(min=0), use_cache=True)
-    cache = prompt_out.past_key_values
-    cache.batch_select_indices(owner)  # (U, ...) -> (B, ...): each row reads its own prompt's keys and values
-    # The rest of every row, left-aligned and right-padded: (B, R); its positions continue the prompt's.
-    rest_lengths = attention_mask.sum(dim=1) - prompt_lengths  # (B,)
-    rest_width = max(int(rest_lengths.max()), 1)
-    columns = torch.arange(rest_width, device=device)  # (R,)
-    rest_ids = input_ids.gather(1, (prompt_lengths[:, None] + columns).clamp(max=width - 1))  # (B, R)
-    mask = torch.cat([prompt_mask[owner], (columns < rest_lengths[:, None]).long()], dim=1)  # (B, P + R)
-    rest_hidden = model.base_model(input_ids=rest_ids, attention_mask=mask, past_key_values=cache,
-                                   position_ids=prompt_lengths[:, None] + columns).last_hidden_state  # (B, R, D)
-    # Back to the rows' own columns: column j of `tail` is position prompt_length - 1 + j.
-    tail = torch.cat([prompt_out.last_hidden_state[owner, -1:], rest_hidden], dim=1)  # (B, 1 + R, D)
-    source = (torch.arange(width, device=device) - prompt_lengths[:, None] + 1).clamp(0, rest_width)  # (B, T)
-    return tail.gather(1, source[..., None].expand(-1, -1, tail.shape[-1]))  # (B, T, D)
 
 
 def token_logprobs(model, input_ids, attention_mask, temperature, positions=None, with_entropy=False,

@@ -12,6 +12,7 @@ nothing else. Two ways to get one:
   is the same with 4 layers instead of 2, for the compute task (envs.ComputeEnv's `train_defaults`).
 
 `load_critic(path)` builds PPO's critic from the policy checkpoint, as Agent-R1 and RAGEN initialise theirs.
+`shared_prompt_hidden` runs rows that open alike (a GRPO group, the warm-up's demonstrations) sharing one pass.
 """
 
 import contextlib
@@ -316,3 +317,42 @@ def load_critic(name_or_path, device="cpu", dtype=torch.float32):
     critic = built(read, AutoModelForTokenClassification, path, config, dtype, device)
     critic.stored_dtype = stored_dtype
     return critic.to(device).eval()
+
+
+# ----------------------------------------------------------------------------------------------------
+# A forward pass that runs each shared prompt once (the trainer's scoring passes, the warm-up)
+
+def shared_prompt_hidden(model, input_ids, attention_mask, prompt_lengths):
+    """The model body's last hidden states (B, T, D) of right-padded rows, each distinct prompt run once (a
+    GRPO group's G members share their prompt; every demonstration of the warm-up its env's system prompt and
+    tool schemas), so every row runs only its rest, attending to the prompt's keys and values as to a KV cache
+    (gradients flow back as through G copies). Positions before each row's last prompt token (whose
+    predictions no loss reads) hold garbage."""
+    width, device = input_ids.shape[1], input_ids.device
+    distinct = {}  # prompt tokens -> its row in the prompt batch
+    owner = torch.tensor([distinct.setdefault(tuple(input_ids[row, :length].tolist()), len(distinct))
+                          for row, length in enumerate(prompt_lengths.tolist())], device=device)  # (B,)
+    # The distinct prompts, left-padded so that each ends in the last column; positions count real tokens.
+    prompt_width = int(prompt_lengths.max())
+    prompt_ids = torch.zeros(len(distinct), prompt_width, dtype=torch.long, device=device)  # (U, P)
+    prompt_mask = torch.zeros_like(prompt_ids)  # (U, P)
+    for prompt, row in distinct.items():
+        prompt_ids[row, prompt_width - len(prompt):] = torch.tensor(prompt, device=device)
+        prompt_mask[row, prompt_width - len(prompt):] = 1
+    prompt_out = model.base_model(input_ids=prompt_ids, attention_mask=prompt_mask,
+                                  position_ids=(prompt_mask.cumsum(dim=1) - 1).clamp(min=0), use_cache=True)
+    cache = prompt_out.past_key_values
+    for layer in cache.layers:  # (U, ...) -> (B, ...): each row reads its own prompt's keys and values
+        layer.keys, layer.values = layer.keys.index_select(0, owner), layer.values.index_select(0, owner)
+    # The rest of every row, left-aligned and right-padded: (B, R); its positions continue the prompt's.
+    rest_lengths = attention_mask.sum(dim=1) - prompt_lengths  # (B,)
+    rest_width = max(int(rest_lengths.max()), 1)
+    columns = torch.arange(rest_width, device=device)  # (R,)
+    rest_ids = input_ids.gather(1, (prompt_lengths[:, None] + columns).clamp(max=width - 1))  # (B, R)
+    mask = torch.cat([prompt_mask[owner], (columns < rest_lengths[:, None]).long()], dim=1)  # (B, P + R)
+    rest_hidden = model.base_model(input_ids=rest_ids, attention_mask=mask, past_key_values=cache,
+                                   position_ids=prompt_lengths[:, None] + columns).last_hidden_state  # (B, R, D)
+    # Back to the rows' own columns: column j of `tail` is position prompt_length - 1 + j.
+    tail = torch.cat([prompt_out.last_hidden_state[:, -1:].index_select(0, owner), rest_hidden], dim=1)  # (B, 1 + R, D)
+    source = (torch.arange(width, device=device) - prompt_lengths[:, None] + 1).clamp(0, rest_width)  # (B, T)
+    return tail.gather(1, source[..., None].expand(-1, -1, tail.shape[-1]))  # (B, T, D)

@@ -47,7 +47,7 @@ def test_tiny_models_by_name_and_the_envs_defaults(tmp_path, monkeypatch):
     # the env's train_defaults, then train.py's own
     fields = ["model", "max_new_tokens", "lr", "warmup_lr", "warmup_mistake_rate"]
     assert [getattr(compute, name) for name in fields] == ["tiny-deep", 96, 5e-4, 1e-3, 0.85]
-    assert [getattr(default, name) for name in fields] == ["tiny", 32, 1e-3, 3e-3, 0.6]
+    assert [getattr(default, name) for name in fields] == ["tiny", 32, 1e-3, 1e-3, 0.6]
     assert train.get_args(["--env", "compute", "--model", "tiny", "--lr", "1e-3"]).model == "tiny"  # flags win
 
 

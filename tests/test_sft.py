@@ -33,6 +33,25 @@ def test_demonstration_loss_matches_a_plain_loop_in_value_and_gradients():
         assert torch.allclose(parameter.grad, shared_grad, atol=1e-5, rtol=1e-4)
 
 
+def test_the_shared_opening_pass_gives_the_same_gradients_every_time_with_two_threads():
+    # Reading one prompt's keys and values into many rows by advanced indexing made the backward pass add into
+    # them with parallel atomic adds: with two threads, the same batch gave gradients 1e-8 apart from call to
+    # call, and two identical warm-ups ended 1e-6 apart (chaos from there). index_select adds in a fixed order.
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        model, tokenizer = load_model("tiny")
+        batch = sft.demonstrations(tokenizer, envs.SyntheticQAEnv, {}, 16, 0.0, random.Random(0), first_seed=0)
+        runs = []
+        for _ in range(4):
+            model.zero_grad(set_to_none=True)
+            sft.demonstration_loss(model, batch, tokenizer.pad_token_id).backward()
+            runs.append([p.grad.clone() for p in model.parameters()])
+        assert all(torch.equal(a, b) for other in runs[1:] for a, b in zip(runs[0], other))
+    finally:
+        torch.set_num_threads(threads)
+
+
 def test_assistant_token_mask_by_hand():
     _, tokenizer = load_model("tiny")
     messages = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Yes"},
