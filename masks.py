@@ -48,6 +48,7 @@ All per-token tensors are (B, T): B trajectories, T token positions, padding has
 """
 
 import torch
+from torch.nn.utils.rnn import pad_sequence
 
 
 # -----------------------------------------------------------------------------
@@ -179,23 +180,21 @@ def assert_rewards_on_mask(token_rewards, action_mask):
     assert (off_mask == 0).all(), "reward on a non-agent token would be lost: place it with place_rewards"
 
 
+def padded(rows, fill=0, dtype=torch.long):
+    """Lists of numbers -> one (B, T) tensor, each row from column 0 on, filled with `fill` after its end."""
+    return pad_sequence([torch.tensor(row, dtype=dtype) for row in rows], batch_first=True, padding_value=fill)
+
+
 def collate(trajectories, pad_token_id):
     """Right-pad rollout.Trajectory objects into (B, T) tensors for the trainer. Token-aligned: action_mask[b, t]
     = 1 iff token t of row b was sampled, sampler_logprobs[b, t] is its log-prob, token_rewards[b, t] holds the
     rewards of the turns that end at t (place_rewards), prompt_lengths[b] counts row b's opening prompt tokens."""
-    num_rows, width = len(trajectories), max(len(trajectory.token_ids) for trajectory in trajectories)
     batch = {
-        "input_ids": torch.full((num_rows, width), pad_token_id, dtype=torch.long),
-        "attention_mask": torch.zeros(num_rows, width, dtype=torch.long),
-        "action_mask": torch.zeros(num_rows, width, dtype=torch.long),
-        "sampler_logprobs": torch.zeros(num_rows, width, dtype=torch.float32),
+        "input_ids": padded([trajectory.token_ids for trajectory in trajectories], fill=pad_token_id),
+        "attention_mask": padded([[1] * len(trajectory.token_ids) for trajectory in trajectories]),
+        "action_mask": padded([trajectory.action_mask for trajectory in trajectories]),
+        "sampler_logprobs": padded([trajectory.logprobs for trajectory in trajectories], dtype=torch.float32),
     }
-    for row, trajectory in enumerate(trajectories):
-        length = len(trajectory.token_ids)
-        batch["input_ids"][row, :length] = torch.tensor(trajectory.token_ids)
-        batch["attention_mask"][row, :length] = 1
-        batch["action_mask"][row, :length] = torch.tensor(trajectory.action_mask)
-        batch["sampler_logprobs"][row, :length] = torch.tensor(trajectory.logprobs)
     batch["token_rewards"] = place_rewards([trajectory.turn_rewards for trajectory in trajectories],
                                            [trajectory.turn_end_positions for trajectory in trajectories],
                                            batch["action_mask"])  # (B, T)

@@ -28,6 +28,7 @@ import transformers
 from tqdm import tqdm
 
 import envs
+import masks
 import rollout
 from nanoagent.checkpoint import save_atomically
 from nanoagent.common import print0
@@ -74,12 +75,9 @@ def demonstration_loss(model, batch, pad_token_id, device="cpu"):
     """Next-token cross-entropy on the assistant's tokens of a batch [(ids, mask)] of demonstrations. They all
     open with their env's system prompt and tool schemas (about half their tokens): the shared opening runs
     once (shared_prompt_hidden), and the LM head only where the loss reads."""
-    length = max(len(ids) for ids, _ in batch)
-    input_ids = torch.full((len(batch), length), pad_token_id)  # (B, T), right padded
-    attention_mask, loss_mask = torch.zeros_like(input_ids), torch.zeros_like(input_ids)  # (B, T)
-    for row, (ids, mask) in enumerate(batch):
-        input_ids[row, :len(ids)], attention_mask[row, :len(ids)] = torch.tensor(ids), 1
-        loss_mask[row, :len(mask)] = torch.tensor(mask)
+    input_ids = masks.padded([ids for ids, _ in batch], fill=pad_token_id)  # (B, T), right padded
+    attention_mask = masks.padded([[1] * len(ids) for ids, _ in batch])  # (B, T)
+    loss_mask = masks.padded([mask for _, mask in batch])  # (B, T)
     # Shared up to the first token the loss reads at most: shared_prompt_hidden leaves the prompt's hidden
     # states before its last token as garbage.
     shared = min(len(os.path.commonprefix([ids for ids, _ in batch])), *(mask.index(1) for _, mask in batch))
@@ -92,7 +90,7 @@ def demonstration_loss(model, batch, pad_token_id, device="cpu"):
 
 
 # The files whose edit changes the warmed-up weights: they key the cache, so a stale warm-up is never reused.
-WARM_UP_CODE = ["sft.py", "envs.py", "tools.py", "rollout.py", "nanoagent/models.py",
+WARM_UP_CODE = ["sft.py", "envs.py", "tools.py", "rollout.py", "masks.py", "nanoagent/models.py",
                 "nanoagent/qwen25_chat_template.jinja"]
 
 

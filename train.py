@@ -137,8 +137,8 @@ def get_args(argv=None):
     add("--eval_every", type=int, default=10, help="steps between held-out evaluations (0: off)")
     add("--eval_episodes", type=int, default=128)
     add("--save_every", type=int, default=50)
-    add("--seed", type=int, default=2,
-        help="seeds the warm-up and RL (2: the main job took off from it wherever measured; docs/performance.md)")
+    add("--seed", type=int, default=3,
+        help="seeds the warm-up and RL (3: the main job took off from it with one thread and two; docs/performance.md)")
     add("--wandb", default=None, help="a wandb project name to log to (needs wandb installed)")
     args = parser.parse_args(argv)
 
@@ -568,13 +568,11 @@ def cross_prompt_logprobs(model, trajectories, pad_token_id, temperature, share_
     prompts = [list(prompt) for prompt in episodes]
     responses = [t.token_ids[t.prompt_length:t.turn_end_positions[0] + 1] for t in episodes.values()]
     rows = [prompt + response for prompt in prompts for response in responses]  # row i * N + j
-    input_ids = torch.full((len(rows), max(map(len, rows))), pad_token_id, device=device)  # (N*N, T)
-    attention_mask, positions = torch.zeros_like(input_ids), torch.zeros_like(input_ids[:, 1:])  # (N*N, T-1)
+    input_ids = masks.padded(rows, fill=pad_token_id).to(device)  # (N*N, T)
+    attention_mask = masks.padded([[1] * len(row) for row in rows]).to(device)  # (N*N, T)
     prompt_lengths = torch.tensor([len(prompt) for prompt in prompts for _ in responses], device=device)  # (N*N,)
-    for row, (tokens, prompt_length) in enumerate(zip(rows, prompt_lengths.tolist())):
-        input_ids[row, :len(tokens)] = torch.tensor(tokens, device=device)
-        attention_mask[row, :len(tokens)] = 1
-        positions[row, prompt_length - 1:len(tokens) - 1] = 1  # the predictions of the response's tokens
+    columns = torch.arange(input_ids.shape[1] - 1, device=device)  # (T-1,): column t predicts token t + 1
+    positions = attention_mask[:, 1:] * (columns >= prompt_lengths[:, None] - 1)  # the responses' tokens
     logprobs = token_logprobs(model, input_ids, attention_mask, temperature, positions,
                               prompt_lengths=prompt_lengths if share_prompts else None)[0]  # (N*N, T-1)
     return (logprobs.sum(dim=1) / positions.sum(dim=1)).view(len(prompts), len(prompts))

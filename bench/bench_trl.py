@@ -182,7 +182,8 @@ def run_trl(steps, seed):
 def main():
     parser = argparse.ArgumentParser(description="nanoagent GRPO vs TRL GRPOTrainer, same model, env and settings")
     parser.add_argument("--steps", type=int, default=30, help="training steps per run (at least 3)")
-    parser.add_argument("--rounds", type=int, default=3, help="rounds; round r runs nanoagent, then TRL, with seed r")
+    parser.add_argument("--rounds", type=int, default=3,
+                        help="rounds; round r runs nanoagent, then TRL, with train.py's default seed + r")
     parser.add_argument("--worker", choices=["nanoagent", "trl"], help=argparse.SUPPRESS)  # one run, in a child
     parser.add_argument("--seed", type=int, default=0, help=argparse.SUPPRESS)  # the worker's seed
     cli = parser.parse_args()
@@ -200,13 +201,15 @@ def main():
     except ImportError:
         sys.exit("TRL is not installed: pip install -r bench/requirements-bench.txt")
     results = {"nanoagent": [], "trl": []}
-    for seed in range(cli.rounds):
-        # Seed r: train.py's warm-up with seed r (cached, and done before any timing), then both RL runs
-        # from it with seed r. Alternating the two spreads the machine's slow moments over both.
+    first_seed = train.get_args([]).seed  # from train.py's default seed on, the seeds a newcomer's run meets
+    for seed in range(first_seed, first_seed + cli.rounds):
+        # Seed s: train.py's warm-up with seed s (cached, and done before any timing), then both RL runs
+        # from it with seed s. Alternating the two spreads the machine's slow moments over both.
         args = train.get_args(bench_flags(seed))
         model, tokenizer = load_model(train.warm_up(args))
         start = held_out_success(model, tokenizer, args)
-        print(f"round {seed + 1}/{cli.rounds} (seed {seed}): held-out success of the warm-up {start:.3f}", flush=True)
+        print(f"round {seed - first_seed + 1}/{cli.rounds} (seed {seed}): held-out success of the warm-up {start:.3f}",
+              flush=True)
         for name in results:
             child = subprocess.run([sys.executable, __file__, "--worker", name, "--steps", str(cli.steps),
                                     "--seed", str(seed)], capture_output=True, text=True)

@@ -22,12 +22,14 @@ import os
 from pathlib import Path
 
 import torch
+from torch.nn.utils.rnn import pad_sequence
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
 from transformers import (
     AutoConfig,
     AutoModelForCausalLM,
     AutoModelForTokenClassification,
     AutoTokenizer,
+    DynamicCache,
     GenerationConfig,
     PreTrainedTokenizerFast,
     Qwen2Config,
@@ -327,32 +329,42 @@ def shared_prompt_hidden(model, input_ids, attention_mask, prompt_lengths):
     GRPO group's G members share their prompt; every demonstration of the warm-up its env's system prompt and
     tool schemas), so every row runs only its rest, attending to the prompt's keys and values as to a KV cache
     (gradients flow back as through G copies). Positions before each row's last prompt token (whose
-    predictions no loss reads) hold garbage."""
+    predictions no loss reads) hold garbage.
+
+    The rests run in passes of similar length: rows whose rest is 2^k to 2^(k+1) times shorter than the longest
+    share a pass, padded to its own longest row, so no pass computes more than twice its real tokens (a batch of
+    one-turn and four-turn episodes would otherwise pad every row to the longest). When every rest is over half
+    the longest, this is the one batched pass, float for float."""
     width, device = input_ids.shape[1], input_ids.device
     distinct = {}  # prompt tokens -> its row in the prompt batch
     owner = torch.tensor([distinct.setdefault(tuple(input_ids[row, :length].tolist()), len(distinct))
                           for row, length in enumerate(prompt_lengths.tolist())], device=device)  # (B,)
     # The distinct prompts, left-padded so that each ends in the last column; positions count real tokens.
-    prompt_width = int(prompt_lengths.max())
-    prompt_ids = torch.zeros(len(distinct), prompt_width, dtype=torch.long, device=device)  # (U, P)
-    prompt_mask = torch.zeros_like(prompt_ids)  # (U, P)
-    for prompt, row in distinct.items():
-        prompt_ids[row, prompt_width - len(prompt):] = torch.tensor(prompt, device=device)
-        prompt_mask[row, prompt_width - len(prompt):] = 1
+    prompts = [torch.tensor(prompt, device=device) for prompt in distinct]
+    prompt_ids = pad_sequence(prompts, batch_first=True, padding_side="left")  # (U, P)
+    prompt_mask = pad_sequence([torch.ones_like(prompt) for prompt in prompts], batch_first=True, padding_side="left")
     prompt_out = model.base_model(input_ids=prompt_ids, attention_mask=prompt_mask,
                                   position_ids=(prompt_mask.cumsum(dim=1) - 1).clamp(min=0), use_cache=True)
-    cache = prompt_out.past_key_values
-    for layer in cache.layers:  # (U, ...) -> (B, ...): each row reads its own prompt's keys and values
-        layer.keys, layer.values = layer.keys.index_select(0, owner), layer.values.index_select(0, owner)
-    # The rest of every row, left-aligned and right-padded: (B, R); its positions continue the prompt's.
+    prompt_last = prompt_out.last_hidden_state[:, -1:]  # (U, 1, D): predicts each prompt's first rest token
     rest_lengths = attention_mask.sum(dim=1) - prompt_lengths  # (B,)
-    rest_width = max(int(rest_lengths.max()), 1)
-    columns = torch.arange(rest_width, device=device)  # (R,)
-    rest_ids = input_ids.gather(1, (prompt_lengths[:, None] + columns).clamp(max=width - 1))  # (B, R)
-    mask = torch.cat([prompt_mask[owner], (columns < rest_lengths[:, None]).long()], dim=1)  # (B, P + R)
-    rest_hidden = model.base_model(input_ids=rest_ids, attention_mask=mask, past_key_values=cache,
-                                   position_ids=prompt_lengths[:, None] + columns).last_hidden_state  # (B, R, D)
-    # Back to the rows' own columns: column j of `tail` is position prompt_length - 1 + j.
-    tail = torch.cat([prompt_out.last_hidden_state[:, -1:].index_select(0, owner), rest_hidden], dim=1)  # (B, 1 + R, D)
-    source = (torch.arange(width, device=device) - prompt_lengths[:, None] + 1).clamp(0, rest_width)  # (B, T)
-    return tail.gather(1, source[..., None].expand(-1, -1, tail.shape[-1]))  # (B, T, D)
+    length_class = (rest_lengths.max() / rest_lengths.clamp(min=1)).log2().floor()  # (B,) k: 2^k to 2^(k+1) shorter
+    passes, rows_in_order = [], []
+    for k in length_class.unique():
+        rows = (length_class == k).nonzero().squeeze(1)  # (b,) this pass's rows, in their batch order
+        cache = DynamicCache(config=model.config)  # each row reads its own prompt's keys and values
+        for index, layer in enumerate(prompt_out.past_key_values.layers):
+            cache.update(layer.keys.index_select(0, owner[rows]), layer.values.index_select(0, owner[rows]), index)
+        # The rest of every row, left-aligned and right-padded: (b, R); its positions continue the prompt's.
+        rest_width = max(int(rest_lengths[rows].max()), 1)
+        columns = torch.arange(rest_width, device=device)  # (R,)
+        starts = prompt_lengths[rows, None]  # (b, 1)
+        rest_ids = input_ids[rows].gather(1, (starts + columns).clamp(max=width - 1))  # (b, R)
+        mask = torch.cat([prompt_mask[owner[rows]], (columns < rest_lengths[rows, None]).long()], dim=1)  # (b, P + R)
+        rest_hidden = model.base_model(input_ids=rest_ids, attention_mask=mask, past_key_values=cache,
+                                       position_ids=starts + columns).last_hidden_state  # (b, R, D)
+        # Back to the rows' own columns: column j of `tail` is position prompt_length - 1 + j.
+        tail = torch.cat([prompt_last.index_select(0, owner[rows]), rest_hidden], dim=1)  # (b, 1 + R, D)
+        source = (torch.arange(width, device=device) - starts + 1).clamp(0, rest_width)  # (b, T)
+        passes.append(tail.gather(1, source[..., None].expand(-1, -1, tail.shape[-1])))  # (b, T, D)
+        rows_in_order.append(rows)
+    return torch.cat(passes).index_select(0, torch.cat(rows_in_order).argsort())  # (B, T, D), in batch order
