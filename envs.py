@@ -314,10 +314,10 @@ def corpus_from_rows(rows: list[dict]) -> list[dict]:
     return list(unique.values())
 
 
-@lru_cache(maxsize=8)
-def cached_qa_dataset(source, split: str) -> list[dict]:
-    """load_qa_dataset, once per process: envs are built once per episode, datasets are not."""
-    return load_qa_dataset(str(source), split)
+@lru_cache(maxsize=16)
+def cached_dataset(load, source, split: str) -> list[dict]:
+    """load(source, split), once per process: envs are built once per episode, datasets are not."""
+    return load(str(source), split)
 
 
 @lru_cache(maxsize=4)
@@ -338,7 +338,7 @@ class SearchQAEnv(ToolEnv):
     def __init__(self, data, split="train", search: tools.Tool | None = None, retriever: str | None = None,
                  top_k=3, **options):
         assert search is None or retriever is None, "pass search or retriever, not both"
-        self.rows = cached_qa_dataset(data, split) if isinstance(data, (str, Path)) else data
+        self.rows = cached_dataset(load_qa_dataset, data, split) if isinstance(data, (str, Path)) else data
         assert len(self.rows) > 0, "SearchQAEnv needs at least one row"
         self.search = cached_search_tool(retriever, top_k) if retriever is not None else search
         self.top_k = top_k
@@ -474,9 +474,7 @@ def lookup_tool(facts: list[tuple[str, str, str]]) -> tools.Tool:
         found = [fact_text(*fact) for fact in facts if fact[0].lower() == key]
         return " ".join(found) if found else f"No facts about {query.strip()}."
     return tools.Tool(name="search", description="Look up a name; returns the facts about it.",
-                      parameters={"type": "object", "properties": {
-                          "query": {"type": "string", "description": "A name."}},
-                          "required": ["query"]},
+                      parameters=tools.string_parameters("query", "A name."),
                       function=search)
 
 # -----------------------------------------------------------------------------
@@ -619,7 +617,7 @@ class MathEnv(ToolEnv):
                      "number as <answer>...</answer>.")
 
     def __init__(self, data, split="train", **options):
-        self.rows = cached_math_dataset(data, split) if isinstance(data, (str, Path)) else data
+        self.rows = cached_dataset(load_math_dataset, data, split) if isinstance(data, (str, Path)) else data
         assert len(self.rows) > 0, "MathEnv needs at least one row"
         super().__init__(**options)
 
@@ -631,12 +629,6 @@ class MathEnv(ToolEnv):
         number = final_number(answer)
         em = float(number is not None and float(number) == float(self.answers[0]))
         return {"em": em, "f1": em, "substring_em": em}
-
-
-@lru_cache(maxsize=8)
-def cached_math_dataset(source, split: str) -> list[dict]:
-    """load_math_dataset, once per process."""
-    return load_math_dataset(str(source), split)
 
 # -----------------------------------------------------------------------------
 # RAGEN's games: the action is a word in <answer>...</answer>, several per turn joined by "||"

@@ -285,8 +285,7 @@ def main(argv=None):
         gc.collect()
     print(format_table(rows))
     if args.json:
-        with open(args.json, "w") as file:
-            json.dump(rows, file, indent=2)
+        Path(args.json).write_text(json.dumps(rows, indent=2))
         print(f"wrote {args.json}")
 
 

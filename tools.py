@@ -61,6 +61,11 @@ class Tool:
             "name": self.name, "description": self.description, "parameters": self.parameters}}
 
 
+def string_parameters(name: str, description: str) -> dict:
+    """Tool.parameters of a tool that takes one required string argument, `name`."""
+    return {"type": "object", "properties": {name: {"type": "string", "description": description}}, "required": [name]}
+
+
 @dataclass
 class ToolCall:
     name: str | None
@@ -125,18 +130,14 @@ def _tool_call_from_json(payload) -> ToolCall:
 # -----------------------------------------------------------------------------
 # Validating and running one call
 
-JSON_TYPES = {"string": (str,), "integer": (int,), "number": (int, float), "boolean": (bool,),
+# "boolean" first: bool is a subclass of int in Python, so _json_type must test it before "integer"
+JSON_TYPES = {"boolean": (bool,), "string": (str,), "integer": (int,), "number": (int, float),
               "array": (list,), "object": (dict,), "null": (type(None),)}
 
 
 def _json_type(value) -> str:
     """The JSON name of a Python value's type, as the model wrote it ("string", "array", ...)."""
-    if isinstance(value, bool):  # bool is a subclass of int in Python, so test it first
-        return "boolean"
-    for json_name, python_types in JSON_TYPES.items():
-        if isinstance(value, python_types):
-            return json_name
-    return type(value).__name__
+    return next((name for name, types in JSON_TYPES.items() if isinstance(value, types)), type(value).__name__)
 
 
 def validate_arguments(tool: Tool, arguments: dict) -> str | None:
@@ -298,9 +299,7 @@ def calculator_tool() -> Tool:
     return Tool(name="calculator",
                 description="Evaluate an arithmetic expression with + - * / ** (or ^) and parentheses, "
                             "e.g. (2.5 + 3) * -4.",
-                parameters={"type": "object", "properties": {
-                    "expression": {"type": "string", "description": "The arithmetic expression to evaluate."}},
-                    "required": ["expression"]},
+                parameters=string_parameters("expression", "The arithmetic expression to evaluate."),
                 function=calculate)
 
 # -----------------------------------------------------------------------------
@@ -327,9 +326,7 @@ def search_tool(passages_or_retriever, top_k: int = 3, max_chars: int = 1500) ->
 
     return Tool(name="search",
                 description="Search the knowledge base; returns the most relevant passages with their titles.",
-                parameters={"type": "object", "properties": {
-                    "query": {"type": "string", "description": "What to search for, in a few keywords."}},
-                    "required": ["query"]},
+                parameters=string_parameters("query", "What to search for, in a few keywords."),
                 function=lambda query: search_batch([{"query": query}])[0],
                 batch_function=search_batch)
 
@@ -347,7 +344,5 @@ def python_tool(limits: sandbox.Limits = sandbox.Limits(output_bytes=1500)) -> T
 
     return Tool(name="python",
                 description="Run a Python program (standard library only) and return what it printed.",
-                parameters={"type": "object", "properties": {
-                    "code": {"type": "string", "description": "The program; print() what you need to see."}},
-                    "required": ["code"]},
+                parameters=string_parameters("code", "The program; print() what you need to see."),
                 function=lambda code: run_batch([{"code": code}])[0], batch_function=run_batch, bounded=True)

@@ -312,8 +312,7 @@ def check_writable(out_dir):
     """Create out_dir and write a file in it now, not at the first checkpoint an hour in."""
     try:
         out_dir.mkdir(parents=True, exist_ok=True)
-        probe = Path(tempfile.mkstemp(dir=out_dir, prefix=".write-test")[1])
-        probe.unlink()
+        Path(tempfile.mkstemp(dir=out_dir, prefix=".write-test")[1]).unlink()
     except OSError as error:
         raise UserError(f"--out_dir {out_dir} is not writable: {error}") from error
 

@@ -36,11 +36,9 @@ def autodetect_dtype(device_type):
     CPU, bf16 matmuls are neither faster nor exact enough for tests that compare log-probs to 1e-4. For testing,
     NANOAGENT_CPU_BF16=1 takes the GPU's bf16 path on a CPU: torchrun's FSDP2 ranks compute in bf16 (masters
     stay float32), a sharded run's TorchSampler copy and a vLLM engine sample in bf16."""
-    if device_type == "cuda" and torch.cuda.is_bf16_supported():
-        return torch.bfloat16
-    if device_type == "cpu" and os.environ.get("NANOAGENT_CPU_BF16") == "1":
-        return torch.bfloat16
-    return torch.float32
+    gpu_bf16 = device_type == "cuda" and torch.cuda.is_bf16_supported()
+    cpu_bf16 = device_type == "cpu" and os.environ.get("NANOAGENT_CPU_BF16") == "1"
+    return torch.bfloat16 if gpu_bf16 or cpu_bf16 else torch.float32
 
 
 def seed_everything(seed, rank=0):
