@@ -1,7 +1,8 @@
 """
 Benchmark: nanoagent's GRPO against TRL's GRPOTrainer, side by side, in one run on this machine.
 
-Both train the same warmed-up tiny model (train.py's cached warm-up) on the same synthetic multi-hop
+Both train the same warmed-up tiny model (train.py's cached warm-up, loaded for both by nanoagent's load_model,
+so both attend with the same kernels: models.sdpa_grouped) on the same synthetic multi-hop
 QA env, with the same settings, read from train.py's defaults: the same env seeds in the same order
 (8 prompts x 8 samples per step), at most 4 assistant turns of at most 32 tokens and 512 tokens per
 episode, temperature 1, lr 1e-3 constant, AdamW betas (0.9, 0.99), gradient clipping 1.0, clip 0.2,

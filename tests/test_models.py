@@ -5,8 +5,10 @@ import pytest
 import torch
 import train
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+from transformers.integrations import sdpa_attention
 
 from nanoagent.models import load_critic, load_model, resolve_model_path, save_tiny_model, tiny_tokenizer
+from nanoagent.sampler import TorchSampler
 from tests.qwen25_tokenizer import qwen25_tokenizer
 
 CONVERSATION = [
@@ -97,6 +99,34 @@ def test_critic_starts_from_policy_with_zero_head(tmp_path):
     critic.save_pretrained(tmp_path / "critic")
     reloaded = load_critic(tmp_path / "critic")
     assert torch.equal(reloaded.score.weight, critic.score.weight)
+
+
+def test_grouped_attention_reads_shared_heads_in_place_with_the_same_results(tmp_path, monkeypatch):
+    """sdpa_grouped against transformers' own "sdpa" on left-padded rows (a mask, so "sdpa" copies each key/value
+    head once per query head): the same logits, gradients and samples, and no copy made."""
+    model, _ = load_model("tiny")
+    reference, _ = load_model("tiny")
+    reference.set_attn_implementation("sdpa")
+    assert model.config.num_attention_heads > model.config.num_key_value_heads  # grouped-query attention
+    assert load_critic("tiny").config._attn_implementation == model.config._attn_implementation == "sdpa_grouped"
+    copies = []
+    repeat_kv = sdpa_attention.repeat_kv
+    monkeypatch.setattr(sdpa_attention, "repeat_kv", lambda states, n: copies.append(n) or repeat_kv(states, n))
+    input_ids = torch.tensor([[0, 0, 5, 6, 7, 8], [9, 10, 11, 12, 13, 14]])  # (2, 6)
+    attention_mask = (input_ids > 0).long()
+    outputs = []
+    for net in (model, reference):
+        logits = net(input_ids, attention_mask=attention_mask).logits  # (2, 6, V)
+        logits[attention_mask.bool()].square().sum().backward()
+        samples = TorchSampler(net).generate([[5, 6, 7], [9, 10, 11, 12, 13]], 8, seed=[1, 2])
+        outputs.append((logits, [p.grad for p in net.parameters()], [g.token_ids for g in samples]))
+        # "sdpa" copies keys and values in each of 2 layers, in 9 passes: the forward, the prefill, 7 decode steps
+        assert len(copies) == (0 if net is model else 2 * 2 * 9)
+    (logits, grads, tokens), (reference_logits, reference_grads, reference_tokens) = outputs
+    assert torch.allclose(logits, reference_logits, atol=1e-6) and tokens == reference_tokens
+    assert all(torch.allclose(a, b, rtol=1e-4, atol=1e-5) for a, b in zip(grads, reference_grads))
+    model.save_pretrained(tmp_path / "saved")  # a checkpoint says nothing of it: any transformers loads it
+    assert "sdpa_grouped" not in (tmp_path / "saved" / "config.json").read_text()
 
 
 def test_missing_model_gives_clear_error(tmp_path):
