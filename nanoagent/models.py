@@ -372,19 +372,20 @@ def shared_prompt_hidden(model, input_ids, attention_mask, prompt_lengths):
     passes, rows_in_order = [], []
     for k in length_class.unique():
         rows = (length_class == k).nonzero().squeeze(1)  # (b,) this pass's rows, in their batch order
+        own = owner[rows]  # (b,) each row's prompt
         cache = DynamicCache(config=model.config)  # each row reads its own prompt's keys and values
         for index, layer in enumerate(prompt_out.past_key_values.layers):
-            cache.update(layer.keys.index_select(0, owner[rows]), layer.values.index_select(0, owner[rows]), index)
+            cache.update(layer.keys.index_select(0, own), layer.values.index_select(0, own), index)
         # The rest of every row, left-aligned and right-padded: (b, R); its positions continue the prompt's.
         rest_width = max(int(rest_lengths[rows].max()), 1)
         columns = torch.arange(rest_width, device=device)  # (R,)
         starts = prompt_lengths[rows, None]  # (b, 1)
         rest_ids = input_ids[rows].gather(1, (starts + columns).clamp(max=width - 1))  # (b, R)
-        mask = torch.cat([prompt_mask[owner[rows]], (columns < rest_lengths[rows, None]).long()], dim=1)  # (b, P + R)
+        mask = torch.cat([prompt_mask[own], (columns < rest_lengths[rows, None]).long()], dim=1)  # (b, P + R)
         rest_hidden = model.base_model(input_ids=rest_ids, attention_mask=mask, past_key_values=cache,
                                        position_ids=starts + columns).last_hidden_state  # (b, R, D)
         # Back to the rows' own columns: column j of `tail` is position prompt_length - 1 + j.
-        tail = torch.cat([prompt_last.index_select(0, owner[rows]), rest_hidden], dim=1)  # (b, 1 + R, D)
+        tail = torch.cat([prompt_last.index_select(0, own), rest_hidden], dim=1)  # (b, 1 + R, D)
         source = (torch.arange(width, device=device) - starts + 1).clamp(0, rest_width)  # (b, T)
         passes.append(tail.gather(1, source[..., None].expand(-1, -1, tail.shape[-1])))  # (b, T, D)
         rows_in_order.append(rows)
