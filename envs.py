@@ -310,8 +310,7 @@ def load_qa_dataset(source: str, split: str = "train", limit: int | None = None)
 
 def corpus_from_rows(rows: list[dict]) -> list[dict]:
     """The union of the rows' paragraphs, deduplicated: a search corpus without a Wikipedia dump."""
-    unique = {(p["title"], p["text"]): p for row in rows for p in row["paragraphs"]}
-    return list(unique.values())
+    return list({(p["title"], p["text"]): p for row in rows for p in row["paragraphs"]}.values())
 
 
 @lru_cache(maxsize=16)
@@ -403,11 +402,11 @@ class SyntheticQAEnv(ToolEnv):
         chosen = rng.sample(NAMES, len(ENTITY_TYPES) * self.entities_per_type)
         entities = {kind: chosen[i::len(ENTITY_TYPES)] for i, kind in enumerate(ENTITY_TYPES)}
         self.kind_of = {entity: group for group in entities.values() for entity in group}  # its entities of that kind
-        self.facts, next_entity = [], {}
+        self.facts, self.next_entity = [], {}
         for i, relation in enumerate(RELATIONS):  # every film, person and city gets its one chain fact
             for subject in entities[ENTITY_TYPES[i]]:
-                next_entity[subject] = rng.choice(entities[ENTITY_TYPES[i + 1]])
-                self.facts.append((subject, relation, next_entity[subject]))
+                self.next_entity[subject] = rng.choice(entities[ENTITY_TYPES[i + 1]])
+                self.facts.append((subject, relation, self.next_entity[subject]))
         for _ in range(self.distractor_facts):
             kind = rng.choice(list(DISTRACTORS))
             relation, object_kind = DISTRACTORS[kind]
@@ -417,10 +416,9 @@ class SyntheticQAEnv(ToolEnv):
         start_type = rng.randrange(len(RELATIONS) - self.hops + 1)
         self.hop_entities = [rng.choice(entities[ENTITY_TYPES[start_type]])]  # the entity searched at each hop
         for _ in range(self.hops - 1):
-            self.hop_entities.append(next_entity[self.hop_entities[-1]])
-        answer = next_entity[self.hop_entities[-1]]
-        self.next_entity = next_entity
-        self.chain_facts = [fact_text(entity, RELATIONS[start_type + hop], next_entity[entity])
+            self.hop_entities.append(self.next_entity[self.hop_entities[-1]])
+        answer = self.next_entity[self.hop_entities[-1]]
+        self.chain_facts = [fact_text(entity, RELATIONS[start_type + hop], self.next_entity[entity])
                             for hop, entity in enumerate(self.hop_entities)]
         self.found_facts = set()
         question = QUESTIONS[start_type, self.hops].format(self.hop_entities[0])

@@ -211,21 +211,13 @@ def make_sampler(kind, model_name, max_total_tokens=4096, vllm_memory=0.5):
     return TorchSampler(model), tokenizer
 
 
-def make_env_from_flags(args):
-    """A make_env() for --env with --env_options (and --data/--split for search_qa)."""
-    options = json.loads(args.env_options)
-    if args.max_turns is not None:
-        options["max_turns"] = args.max_turns
-    return envs.env_factory(args.env, options, data=args.data, split=args.split)
-
-
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.RawTextHelpFormatter)
     add = parser.add_argument
     # Models and sampling
     add("--model", action="append", required=True, help="HF name, checkpoint dir, 'tiny' or 'tiny-deep'; repeat")
-    add("--sampler", choices=["torch", "vllm"], default=None, help="default: vllm on a GPU, else torch")
+    add("--sampler", choices=["torch", "vllm"], help="default: vllm on a GPU, else torch")
     add("--vllm_memory", type=float, default=0.5, help="--sampler vllm on GPUs: its share of the card's memory")
     add("--temperature", type=float, nargs="+", default=[0.0], help="0 = greedy; several give several rows")
     add("--samples", type=int, default=1, help="samples per seed when sampling (pass@k up to this)")
@@ -235,16 +227,16 @@ def main(argv=None):
     # Environment and data
     add("--env", default="synthetic_qa", choices=sorted(envs.ENVS))
     add("--env_options", default="{}", help='JSON constructor options, e.g. \'{"hops": 3}\'')
-    add("--max_turns", type=int, default=None, help="default: the env's own")
+    add("--max_turns", type=int, help="default: the env's own")
     add("--data", default="hotpotqa", help="search_qa, math: Hub name or local .json/.jsonl/.parquet")
     add("--split", default="validation",
         help="search_qa: the held-out split (a local file: its held-out share; 'all': every row)")
     add("--n", type=int, default=256, help="evaluation seeds (search_qa: rows)")
-    add("--seed_start", type=int, default=None, help="default: EVAL_SEED_START (search_qa: 0)")
+    add("--seed_start", type=int, help="default: EVAL_SEED_START (search_qa: 0)")
     # Output and modes
     add("--baselines", action="store_true", help="add naive_rag and no_retrieval rows per model")
-    add("--json", default=None, help="also write the rows to this JSON file")
-    add("--trajectories", default=None, help="also write every episode to this directory's trajectories.jsonl, "
+    add("--json", help="also write the rows to this JSON file")
+    add("--trajectories", help="also write every episode to this directory's trajectories.jsonl, "
         "as train.py does (python -m nanoagent.report DIR shows them)")
     add("--chat", action="store_true", help="talk to the (first) model with --env's tools for --seed")
     add("--seed", type=int, default=0, help="chat: the env seed whose tools (KB) are used")
@@ -253,16 +245,18 @@ def main(argv=None):
     if args.trajectories:
         Path(args.trajectories).mkdir(parents=True, exist_ok=True)
     sampler_kind = args.sampler or ("vllm" if common.autodetect_device_type() == "cuda" else "torch")
-    make_env = make_env_from_flags(args)
+    options = json.loads(args.env_options)
+    if args.max_turns is not None:
+        options["max_turns"] = args.max_turns
+    make_env = envs.env_factory(args.env, options, data=args.data, split=args.split)
     if args.chat:
         sampler, tokenizer = make_sampler(sampler_kind, args.model[0], args.max_total_tokens, args.vllm_memory)
         chat(sampler, tokenizer, make_env(), args.seed, args.max_turns or 4, args.max_new_tokens,
              args.max_total_tokens, args.temperature[0], color=sys.stdout.isatty())
         return
-    seed_start = args.seed_start
-    if seed_start is None:
-        seed_start = 0 if envs.ENVS[args.env] in envs.DATA_ENVS else envs.EVAL_SEED_START
-    seeds = range(seed_start, seed_start + args.n)
+    if args.seed_start is None:
+        args.seed_start = 0 if envs.ENVS[args.env] in envs.DATA_ENVS else envs.EVAL_SEED_START
+    seeds = range(args.seed_start, args.seed_start + args.n)
     settings = ["tools"]
     if args.baselines:
         probe = make_env()

@@ -68,27 +68,26 @@ def get_args(argv=None):
     parser = argparse.ArgumentParser(description="Multi-turn agent RL: PPO, GRPO, REINFORCE++.")
     add = parser.add_argument
     # Model
-    add("--model", default=None, help="Hub name, local checkpoint directory, 'tiny' or 'tiny-deep' (default: tiny, "
-        "or the env's)")
-    add("--device", default=None, choices=["cpu", "cuda"], help="default: cuda if available")
+    add("--model", help="Hub name, local checkpoint directory, 'tiny' or 'tiny-deep' (default: tiny, or the env's)")
+    add("--device", choices=["cpu", "cuda"], help="default: cuda if available")
     add("--lora_rank", type=int, default=0, help="train rank-R LoRA adapters on the policy, not its weights (0: off)")
     # Supervised warm-up (sft.py)
     add("--warmup_clean_steps", type=int, default=800, help="SFT steps on correct demonstrations of the easy version")
     add("--warmup_steps", type=int, default=150, help="then SFT steps on flawed demonstrations (0: no warm-up at all)")
-    add("--warmup_mistake_rate", type=float, default=None,
+    add("--warmup_mistake_rate", type=float,
         help="chance each flawed-demonstration decision is wrong (default: 0.6, or the env's)")
     add("--warmup_lr", type=float, default=1e-3, help="the warm-up's learning rate")
     # Environment
     add("--env", default="synthetic_qa", choices=sorted(envs.ENVS))
     add("--env_options", default="{}", help='JSON constructor options, e.g. \'{"hops": 3}\'')
-    add("--data", default=None, help="search_qa, math: Hub name (hotpotqa, gsm8k, ...) or local .json/.jsonl/.parquet")
-    add("--retriever", default=None, help="search_qa: search a shared corpus, an index directory "
+    add("--data", help="search_qa, math: Hub name (hotpotqa, gsm8k, ...) or local .json/.jsonl/.parquet")
+    add("--retriever", help="search_qa: search a shared corpus, an index directory "
         "(python -m nanoagent.retrieval build) or a server URL http://host:port/retrieve")
     add("--max_turns", type=int, default=4)
     # Rollout
     add("--prompts_per_step", type=int, default=8, help="env seeds per step, over all ranks")
     add("--group_size", type=int, default=8, help="samples per seed (a GRPO group)")
-    add("--max_new_tokens", type=int, default=None, help="per assistant turn (default: 32, or the env's)")
+    add("--max_new_tokens", type=int, help="per assistant turn (default: 32, or the env's)")
     add("--max_total_tokens", type=int, default=512, help="per episode")
     add("--temperature", type=float, default=1.0)
     add("--truncated_reward", default="keep", choices=["keep", "zero"],
@@ -97,34 +96,33 @@ def get_args(argv=None):
     add("--vllm_memory", type=float, default=0.3, help="--sampler vllm on GPUs: its share of the card's memory")
     add("--vllm_sleep", action="store_true", help="--sampler vllm on GPUs: free its share during the update")
     # Algorithm
-    add("--algo", default=None, choices=["ppo", "grpo", "reinforce_pp"], help="default: grpo")
+    add("--algo", choices=["ppo", "grpo", "reinforce_pp"], help="default: grpo")
     add("--dr_grpo", action="store_true",
         help="Dr.GRPO: GRPO without the std division, and --loss_agg seq-mean-token-sum-norm")
     add("--starpo_s", action="store_true", help="RAGEN's StarPO-S settings (explicit flags win)")
-    add("--filter_ratio", type=float, default=None,
-        help="StarPO-S: keep this top fraction of groups by reward std (1.0: off)")
-    add("--clip_low", type=float, default=None, help="ratio clip below 1 (default 0.2)")
-    add("--clip_high", type=float, default=None, help="ratio clip above 1 (default 0.2; StarPO-S 0.28)")
+    add("--filter_ratio", type=float, help="StarPO-S: keep this top fraction of groups by reward std (1.0: off)")
+    add("--clip_low", type=float, help="ratio clip below 1 (default 0.2)")
+    add("--clip_high", type=float, help="ratio clip above 1 (default 0.2; StarPO-S 0.28)")
     add("--value_clip", type=float, default=0.2, help="PPO value-loss clip range")
-    add("--kl", default=None, choices=["none", "in_reward", "loss"], help="default: none")
-    add("--kl_estimator", default=None, choices=["k1", "k2", "k3"], help="default: k1 in the reward, k3 as a loss")
+    add("--kl", choices=["none", "in_reward", "loss"], help="default: none")
+    add("--kl_estimator", choices=["k1", "k2", "k3"], help="default: k1 in the reward, k3 as a loss")
     add("--kl_coef", type=float, default=0.001)
     add("--gamma", type=float, default=1.0)
     add("--lam", type=float, default=1.0, help="GAE lambda")
-    add("--loss_agg", default=None, choices=["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"],
+    add("--loss_agg", choices=["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"],
         help="how the policy, KL and entropy terms sum over tokens (default token-mean; Dr.GRPO's with --dr_grpo)")
     add("--no_action_mask", action="store_true", help="ablation: environment tokens enter the loss too")
     add("--on_echo_trap", default="warn", choices=["warn", "stabilize"],
         help="when the Echo-Trap monitor fires: only warn, or also switch on variance filtering "
              "(--filter_ratio 0.25) and halve the learning rate; measured, it stalled more runs than it "
              "rescued (docs/results.md)")
-    add("--tis_cap", type=float, default=None, help="truncated importance sampling: weight each token "
+    add("--tis_cap", type=float, help="truncated importance sampling: weight each token "
         "by min(pi_trainer_old / pi_sampler, cap), for a sampler whose kernels differ (default: off)")
     # Optimization
     add("--steps", type=int, default=100)
     add("--ppo_epochs", type=int, default=1)
-    add("--minibatch_size", type=int, default=None, help="trajectories per update (default: all)")
-    add("--lr", type=float, default=None, help="default: 1e-3, or the env's")
+    add("--minibatch_size", type=int, help="trajectories per update (default: all)")
+    add("--lr", type=float, help="default: 1e-3, or the env's")
     add("--critic_lr", type=float, default=3e-3)
     add("--critic_warmup", type=int, default=0, help="steps that train only the critic")
     add("--entropy_coef", type=float, default=0.0)
@@ -139,7 +137,7 @@ def get_args(argv=None):
     add("--save_every", type=int, default=50)
     add("--seed", type=int, default=3,
         help="seeds the warm-up and RL (3: the main job took off from it with one thread and two; docs/performance.md)")
-    add("--wandb", default=None, help="a wandb project name to log to (needs wandb installed)")
+    add("--wandb", help="a wandb project name to log to (needs wandb installed)")
     args = parser.parse_args(argv)
 
     for key, value in {**DEFAULTS, **envs.ENVS[args.env].train_defaults, **(STARPO_S if args.starpo_s else {})}.items():
@@ -223,7 +221,11 @@ def set_up(args):
     assert args.prompts_per_step % world_size == 0, f"--prompts_per_step must divide over {world_size} ranks"
     dtype = autodetect_dtype(device.type)
     out_dir = Path(args.out_dir)
-    check_writable(out_dir)
+    try:  # create out_dir and write a file in it now, not at the first checkpoint an hour in
+        out_dir.mkdir(parents=True, exist_ok=True)
+        Path(tempfile.mkstemp(dir=out_dir, prefix=".write-test")[1]).unlink()
+    except OSError as error:
+        raise UserError(f"--out_dir {out_dir} is not writable: {error}") from error
     checkpoint = latest_checkpoint(out_dir)
     if args.resume and checkpoint is None:
         raise UserError(f"--resume: no complete checkpoint in {out_dir}")
@@ -306,15 +308,6 @@ def set_up(args):
     if master:  # the log restarts from the history: a resumed run drops the steps after its checkpoint
         (out_dir / "metrics.jsonl").write_text("".join(json.dumps(metrics) + "\n" for metrics in history))
     return run
-
-
-def check_writable(out_dir):
-    """Create out_dir and write a file in it now, not at the first checkpoint an hour in."""
-    try:
-        out_dir.mkdir(parents=True, exist_ok=True)
-        Path(tempfile.mkstemp(dir=out_dir, prefix=".write-test")[1]).unlink()
-    except OSError as error:
-        raise UserError(f"--out_dir {out_dir} is not writable: {error}") from error
 
 
 def check_same_run(args, saved_args):
@@ -482,7 +475,6 @@ def end_of_step(run, args, step, trajectories, kept, scored, shares, overall, pr
     critic warm-up step): `shares` of a batch mean, summed over ranks, and `overall` ones, the same on every
     rank. `scored`: this rank's batch, its trajectories, and the old log-probs and advantages of the update.
     `probe`: cross_prompt_logprobs' matrix (None: fewer than 2 prompts)."""
-    master = run.rank == 0
     # The sampler's log-probs against the trainer's old ones: ~0 in float32, ~1e-2 for a bf16 sampler.
     shares["logprob_mismatch"] = [batch_mean((scored["sampler_logprobs"][:, 1:] - scored["old_logprobs"]).abs(),
                                              scored["action_mask"][:, 1:]).item()]
@@ -514,7 +506,7 @@ def end_of_step(run, args, step, trajectories, kept, scored, shares, overall, pr
                 group["lr"] = acted["lr"]
             print0(f"step {step + 1}: Echo Trap: training on the top {acted['filter_ratio']:.0%} of groups "
                    f"by reward std, learning rate {acted['lr']:.2e}")
-    if master:
+    if run.rank == 0:
         append_jsonl(run.out_dir / "metrics.jsonl", [metrics])
         append_jsonl(run.out_dir / TRAJECTORIES, kept_group(run.tokenizer, step + 1, scored))
         if run.logger is not None:

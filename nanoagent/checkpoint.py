@@ -98,7 +98,7 @@ def save_checkpoint(out_dir, step, policy, tokenizer, trainer_state, critic=None
     def save(directory):
         for model, subdirectory in ((policy, directory), (critic, directory / "critic")):
             if model is not None:
-                dtype = model.stored_dtype  # the dtype its checkpoint came in (models.load_model records it)
+                dtype = model.stored_dtype  # the dtype its checkpoint came in (models.built records it)
                 state_dict = full_state_dict(model, dtype)  # every rank takes part; rank 0 holds the result
                 if master:  # save_pretrained writes the fp32 masters' dtype into config.json, and FSDP's class name
                     model.save_pretrained(subdirectory, state_dict=state_dict)

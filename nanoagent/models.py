@@ -271,7 +271,6 @@ def load_model(name_or_path, device="cpu", dtype=torch.float32):
     try:
         tokenizer = AutoTokenizer.from_pretrained(path)
         config = AutoConfig.from_pretrained(path, attn_implementation="sdpa_grouped")
-        stored_dtype = config.dtype or torch.float32
         model = built(lambda dtype: AutoModelForCausalLM.from_pretrained(path, config=config, dtype=dtype),
                       AutoModelForCausalLM, path, config, dtype, device)
     except OSError as error:
@@ -283,7 +282,6 @@ def load_model(name_or_path, device="cpu", dtype=torch.float32):
         ) from error
     if not tokenizer.chat_template:
         raise UserError(f"{name_or_path!r} has no chat template: nanoagent needs an instruct/chat model")
-    model.stored_dtype = stored_dtype  # loading sets config.dtype to `dtype`: checkpoints are written in this one
     return model.to(device).eval(), tokenizer
 
 
@@ -291,16 +289,18 @@ def built(read, auto_class, path, config, dtype, device):
     """read(dtype) -> the model from the checkpoint at path, except on the meta device (where train.py builds the
     models it shards): there the architecture without memory, and `model.read_weights()`, which rank 0 alone calls
     when parallel.shard_model fills the shards, reading the weights in the dtype they are stored in (bf16 for
-    Qwen2.5), so no rank holds a whole float32 copy."""
+    Qwen2.5), so no rank holds a whole float32 copy. Either way, model.stored_dtype records it."""
+    stored_dtype = config.dtype or torch.float32  # read first: loading sets config.dtype to dtype
     if torch.device(device).type != "meta":
-        return read(dtype)
-    stored_dtype = config.dtype or torch.float32  # from_config sets config.dtype to dtype
-    with torch.device("meta"):
-        model = auto_class.from_config(config, dtype=dtype)
-    if model.can_generate():  # as from_pretrained: the end-of-turn tokens to stop on come from generation_config.json
-        with contextlib.suppress(OSError):
-            model.generation_config = GenerationConfig.from_pretrained(path)
-    model.read_weights = lambda: read(stored_dtype)
+        model = read(dtype)
+    else:
+        with torch.device("meta"):
+            model = auto_class.from_config(config, dtype=dtype)
+        if model.can_generate():  # as from_pretrained: the tokens to stop on come from generation_config.json
+            with contextlib.suppress(OSError):
+                model.generation_config = GenerationConfig.from_pretrained(path)
+        model.read_weights = lambda: read(stored_dtype)
+    model.stored_dtype = stored_dtype  # checkpoints are written in it (nanoagent/checkpoint.py)
     return model
 
 
@@ -325,7 +325,6 @@ def load_critic(name_or_path, device="cpu", dtype=torch.float32):
     config = AutoConfig.from_pretrained(path, num_labels=1, attn_implementation="sdpa_grouped")
     is_saved_critic = "ForTokenClassification" in (config.architectures or [""])[0]
     config.classifier_dropout = 0.0  # the default 0.1 would put noise in the values GAE reads
-    stored_dtype = config.dtype or torch.float32  # as in load_model
 
     def read(dtype):
         verbosity = transformers_logging.get_verbosity()
@@ -337,9 +336,7 @@ def load_critic(name_or_path, device="cpu", dtype=torch.float32):
             if critic.score.bias is not None:
                 torch.nn.init.zeros_(critic.score.bias)
         return critic
-    critic = built(read, AutoModelForTokenClassification, path, config, dtype, device)
-    critic.stored_dtype = stored_dtype
-    return critic.to(device).eval()
+    return built(read, AutoModelForTokenClassification, path, config, dtype, device).to(device).eval()
 
 
 # ----------------------------------------------------------------------------------------------------

@@ -364,11 +364,10 @@ def main():
     build = commands.add_parser("build", help="index a corpus into a directory")
     build.add_argument("--corpus", required=True, help="a JSONL/parquet file of {title, text} or {contents}, "
                                                        "or a Hub dataset (needs a connected machine)")
-    build.add_argument("--data-files", default=None,
-                       help="with a Hub dataset: which of its files (e.g. wiki-18.jsonl.gz)")
+    build.add_argument("--data-files", help="with a Hub dataset: which of its files (e.g. wiki-18.jsonl.gz)")
     build.add_argument("--index", required=True, help="directory to write the index to")
-    build.add_argument("--dense", default=None, help="a sentence-transformers encoder (e.g. intfloat/e5-base-v2): "
-                                                     "dense retrieval instead of BM25")
+    build.add_argument("--dense", help="a sentence-transformers encoder (e.g. intfloat/e5-base-v2): "
+                                       "dense retrieval instead of BM25")
     serve = commands.add_parser("serve", help="serve an index over HTTP: POST /retrieve")
     serve.add_argument("--index", required=True, help="an index directory written by build")
     serve.add_argument("--host", default="0.0.0.0", help="0.0.0.0 serves other nodes; 127.0.0.1 this one only")
