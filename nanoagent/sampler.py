@@ -5,7 +5,8 @@ one until it writes a stop token or runs out of room". Two samplers answer it wi
 and after every update take the policy's new weights through the same `update_weights(policy, dtype)`:
 
 - `TorchSampler`: plain PyTorch on the trainer's own model, CPU or GPU (the tests and CPU runs): batched
-  KV-cache decoding of left-padded prompts, with a prefix cache across turns as vLLM has.
+  KV-cache decoding of left-padded prompts into a cache written in place (`PreallocatedLayer`), with a
+  prefix cache across turns as vLLM has.
 - `VLLMSampler`: a vLLM engine colocated with the trainer on each GPU (or, with vLLM's CPU build, on
   the CPU), for real models.
 
@@ -28,7 +29,9 @@ from dataclasses import dataclass
 
 import numpy
 import torch
+from torch.nn.utils.rnn import pad_sequence
 from transformers import DynamicCache
+from transformers.cache_utils import DynamicLayer
 
 from nanoagent.common import rng_state, set_rng_state
 from nanoagent.parallel import full_weights
@@ -73,15 +76,33 @@ def sample_tokens(logits, temperature, top_p, uniforms):
     return tokens, logprobs.gather(1, tokens[:, None]).squeeze(1)
 
 
-def left_padded(rows, width):
-    """(H, L_i, d) tensors (None for a row with none) -> one (N, H, width, d) tensor, each row right-aligned
-    and zero on the left: the KV-cache layout of left-padded prompts."""
-    like = next(tensor for tensor in rows if tensor is not None)
-    padded = like.new_zeros(len(rows), like.shape[0], width, like.shape[2])  # (N, H, width, d)
-    for row, tensor in enumerate(rows):
-        if tensor is not None:
-            padded[row, :, width - tensor.shape[1]:] = tensor
-    return padded
+class PreallocatedLayer(DynamicLayer):
+    """A KV-cache layer with room for `width` columns, written in place. transformers' DynamicLayer concatenates each
+    new token onto the whole cache, copying all of it at every decode step, a cost that grows with the context. This
+    one hands attention views of its buffers' filled part: the same keys and values, so the same outputs, bit for
+    bit."""
+
+    def __init__(self, width):
+        super().__init__()
+        self.width = width
+
+    def update(self, key_states, value_states, *args, **kwargs):
+        length = self.get_seq_length()
+        end = length + key_states.shape[-2]
+        assert end <= self.width, f"{end} columns in a cache made for {self.width}"
+        if not self.is_initialized:  # buffers (B, H, width, d)
+            self.buffers = [states.new_empty(*states.shape[:2], self.width, states.shape[3])
+                            for states in (key_states, value_states)]
+            self.is_initialized = True
+        for buffer, new in zip(self.buffers, (key_states, value_states)):
+            buffer[:, :, length:end] = new
+        self.keys, self.values = (buffer[:, :, :end] for buffer in self.buffers)  # (B, H, end, d) views
+        return self.keys, self.values
+
+    def batch_select_indices(self, indices):
+        length = self.get_seq_length()
+        self.buffers = [buffer[indices] for buffer in self.buffers]
+        self.keys, self.values = (buffer[:, :, :length] for buffer in self.buffers)
 
 
 class TorchSampler:
@@ -172,13 +193,17 @@ class TorchSampler:
             attention_mask[row, cached_width - cached:cached_width] = 1
             attention_mask[row, cached_width + new_width - new:] = 1
         cache = DynamicCache(config=self.model.config)
-        # A sliding-window layer keeps only its window's keys, fewer than the mask's columns: keep nothing then.
+        width = cached_width + new_width + max(max_new_tokens)  # room for the prompts and every sampled token
+        # Full-attention layers are written in place. A sliding-window layer (a DynamicLayer subclass) stays as it is
+        # and keeps only its window's keys, fewer than the mask's columns: keep no finished row then.
+        cache.layers = [PreallocatedLayer(width) if type(layer) is DynamicLayer else layer for layer in cache.layers]
         keep_finished = not any(cache.is_sliding)
         if cached_width:  # seed the cache with the reused keys and values, laid out as the mask says
-            num_layers = len(next(layers for _, layers in reused if layers is not None))
-            for layer in range(num_layers):
-                cache.update(*(left_padded([layers[layer][part][:, :cached] if cached else None
-                                            for cached, layers in reused], cached_width) for part in (0, 1)), layer)
+            kept = next(layers for _, layers in reused if layers is not None)  # a kept row's (keys, values) per layer
+            for layer in range(len(kept)):  # row u's c_u reused columns (c_u, H, d); one with none: 0 of a kept row's
+                cache.update(*(pad_sequence([(layers or kept)[layer][part][:, :cached].transpose(0, 1)
+                                             for cached, layers in reused], batch_first=True, padding_side="left")
+                               .transpose(1, 2) for part in (0, 1)), layer)  # (U, H, C, d) each, zeros on the left
         # Each row draws all its uniforms up front from its own seed: its samples cannot depend on the batch.
         uniforms = torch.zeros(num_rows, max(max_new_tokens))  # (B, max_new_tokens)
         for row, (limit, seed) in enumerate(zip(max_new_tokens, seeds)):

@@ -7,7 +7,9 @@ import pytest
 import torch
 
 from nanoagent.models import tiny_model, tiny_tokenizer
-from nanoagent.sampler import Generation, TorchSampler, sample_tokens
+from transformers.cache_utils import DynamicLayer
+
+from nanoagent.sampler import Generation, PreallocatedLayer, TorchSampler, sample_tokens
 
 PROMPTS = [[5, 6, 7], list(range(10, 30)), list(range(100, 109)), [42]]  # different lengths on purpose
 
@@ -215,6 +217,39 @@ def test_next_turn_reuses_the_kept_cache_and_scores_like_a_fresh_pass(model):
     handle.remove()
     assert shapes[0][1] == 1
     assert again.token_ids == TorchSampler(model).generate([kept], 4, temperature=0.0)[0].token_ids
+
+
+def test_the_cache_appends_in_place_and_holds_what_concatenation_would():
+    # A PreallocatedLayer against transformers' DynamicLayer (torch.cat at every append): a prefill of 5 tokens,
+    # decode steps, rows leaving the batch, a prefill of 4 more, up to its width of 14 columns; then one too many.
+    written, concatenated = PreallocatedLayer(width=14), DynamicLayer()
+    generator = torch.Generator().manual_seed(0)
+    for step, new in enumerate([5, 1, 1, "rows 0 and 2", 1, 1, 4, 1]):
+        if new == "rows 0 and 2":
+            for layer in (written, concatenated):
+                layer.batch_select_indices(torch.tensor([0, 2]))
+            buffer = written.buffers[0].data_ptr()
+            continue
+        keys, values = torch.randn(2, len(concatenated.keys) if step else 3, 2, new, 4, generator=generator)
+        assert all(torch.equal(a, b) for a, b in zip(written.update(keys, values), concatenated.update(keys, values)))
+        assert torch.equal(written.keys, concatenated.keys) and torch.equal(written.values, concatenated.values)
+        assert written.keys.data_ptr() == written.buffers[0].data_ptr()  # a view of the buffer, not a copy
+        buffer = written.buffers[0].data_ptr() if step == 0 else buffer
+        assert written.buffers[0].data_ptr() == buffer  # written in place: the same buffer since the prefill
+    assert written.get_seq_length() == 14
+    with pytest.raises(AssertionError, match="15 columns in a cache made for 14"):
+        written.update(*torch.randn(2, 2, 2, 1, 4))  # a slice past the end would take it silently
+
+
+def test_generations_are_bitwise_those_of_transformers_cache(model, monkeypatch):
+    sampler = TorchSampler(model)
+    first = sampler.generate(PROMPTS, [6, 9, 3, 7], temperature=1.0, seed=[1, 2, 3, 4])
+    second_turn = [prompt + generation.token_ids + [200, 201] for prompt, generation in zip(PROMPTS, first)]
+    second = sampler.generate(second_turn, 8, temperature=1.0, seed=[5, 6, 7, 8])  # from the kept cache
+    monkeypatch.setattr("nanoagent.sampler.PreallocatedLayer", lambda width: DynamicLayer())
+    reference = TorchSampler(model)
+    assert reference.generate(PROMPTS, [6, 9, 3, 7], temperature=1.0, seed=[1, 2, 3, 4]) == first
+    assert reference.generate(second_turn, 8, temperature=1.0, seed=[5, 6, 7, 8]) == second
 
 
 def test_prefix_cache_is_dropped_when_the_weights_change():
