@@ -310,7 +310,8 @@ def load_qa_dataset(source: str, split: str = "train", limit: int | None = None)
 
 def corpus_from_rows(rows: list[dict]) -> list[dict]:
     """The union of the rows' paragraphs, deduplicated: a search corpus without a Wikipedia dump."""
-    return list({(p["title"], p["text"]): p for row in rows for p in row["paragraphs"]}.values())
+    unique = {(p["title"], p["text"]): p for row in rows for p in row["paragraphs"]}
+    return list(unique.values())
 
 
 @lru_cache(maxsize=16)
