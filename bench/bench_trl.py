@@ -13,6 +13,7 @@ it too: the same work, and TRL's faster setting on this model).
     pip install -r bench/requirements-bench.txt     # TRL is a benchmark-only dependency
     python bench/bench_trl.py                       # 3 seeds x (nanoagent, then TRL), 30 steps each
     python bench/bench_trl.py --steps 100 --rounds 1
+    python bench/bench_trl.py --profile             # and each run's table of where its steps' time goes
 
 How the env reaches TRL (its `environment_factory` interface, TRL >= 1.x):
   - `reset(seed=...)` receives the dataset row, whose prompt is the env's own opening messages;
@@ -31,10 +32,13 @@ Each run is its own process, so that peak memory (the process's peak RSS) is its
 framework: seconds per step and tokens per second over steps 3..N (the first two pay for start-up),
 trajectory tokens per step (prompt + completion, tool results included), peak memory, the training
 success rate of the last 5 steps, and the held-out success after the last step, measured for both by
-the same evaluator (train.evaluate_held_out: 128 held-out seeds, sampled at temperature 1).
+the same evaluator (train.evaluate_held_out: 128 held-out seeds, sampled at temperature 1). With --profile, each
+run also prints where its timed steps' time goes, by bench_train.py's timers: nanoagent's parts as
+`bench_train.py --profile` names them, TRL's by the GRPOTrainer methods a step calls (trl_parts).
 """
 
 import argparse
+import contextlib
 import json
 import os
 import statistics
@@ -52,7 +56,8 @@ import envs  # noqa: E402
 import rollout  # noqa: E402
 import tools  # noqa: E402
 import train  # noqa: E402
-from bench_train import peak_memory_mb, timed_run  # noqa: E402  (bench/ is this script's own folder)
+from bench_train import (TIMED_FROM, new_profile, peak_memory_mb, print_table, profile_table,  # noqa: E402
+                         profiling, step_parts, timed_run)  # bench/ is this script's own folder
 from nanoagent.models import load_model, resolve_model_path  # noqa: E402
 from nanoagent.sampler import TorchSampler  # noqa: E402
 
@@ -68,9 +73,11 @@ def held_out_success(model, tokenizer, args):
     return train.evaluate_held_out(sampler, tokenizer, args, rank=0, world_size=1)["eval_success"]
 
 
-def run_nanoagent(steps, seed):
-    """train.main for `steps` GRPO steps; returns the measurements."""
-    args, policy, history, seconds, tokens = timed_run(bench_flags(seed), steps)
+def run_nanoagent(steps, seed, profile=None):
+    """train.main for `steps` GRPO steps; returns the measurements. With a `profile` (bench_train.new_profile),
+    the steps' parts are timed into it as `bench_train.py --profile` times them."""
+    with profiling(profile, step_parts(profile)) if profile else contextlib.nullcontext():
+        args, policy, history, seconds, tokens = timed_run(bench_flags(seed), steps)
     tokenizer = AutoTokenizer.from_pretrained(resolve_model_path(args.model))  # the warm-up keeps the model's own
     return {"seconds_per_step": seconds, "tokens_per_step": tokens,
             "train_success": statistics.fmean(h["success"] for h in history[-5:]),
@@ -85,9 +92,42 @@ def split_turns(completion_text):
     return [piece.split("<|im_end|>")[0] for piece in pieces]
 
 
-def run_trl(steps, seed):
-    """TRL's GRPOTrainer for `steps` steps on the same model, env and settings; returns the measurements."""
+def trl_parts(profile, trainer_class, accelerator_class):
+    """(owner, attribute, label) of what a GRPOTrainer step calls, for bench_train's `profiling`, named like
+    nanoagent's parts where the work is the same. The clock starts at the first timed step's generation."""
+    def generate_and_score(*args, **kwargs):
+        profile["rollouts"] += 1
+        if profile["rollouts"] == TIMED_FROM + 1:
+            profile.update(seconds={}, calls={}, episodes={}, start=time.perf_counter())
+        return "1-4. generate and score (_generate_and_score_completions)"
+
+    def generate(*args, **kwargs):
+        profile["turn"] = 0
+        return "rollout (_generate)"
+
+    def turn(trainer, prompt_ids, *args, **kwargs):  # the first turn from _generate, later ones from the tool loop
+        profile["turn"] += 1
+        name = f"turn {profile['turn']}: generate (_generate_single_turn)"
+        path = (*profile["stack"], name)
+        profile["episodes"][path] = profile["episodes"].get(path, 0) + len(prompt_ids)
+        return name
+
+    def loss(*args, **kwargs):
+        profile.update(backward="5. update: policy backward", optimizer="5. update: policy optimizer step")
+        return "5. update: policy forward and loss (compute_loss)"
+    return [(trainer_class, "_generate_and_score_completions", generate_and_score),
+            (trainer_class, "_generate", generate), (trainer_class, "_generate_single_turn", turn),
+            (trainer_class, "_tool_call_loop", lambda *args, **kwargs: "tool-call loop (_tool_call_loop)"),
+            (trainer_class, "_calculate_rewards", lambda *args, **kwargs: "rewards (_calculate_rewards)"),
+            (trainer_class, "compute_loss", loss),
+            (accelerator_class, "clip_grad_norm_", lambda *args, **kwargs: "5. update: clip gradients")]
+
+
+def run_trl(steps, seed, profile=None):
+    """TRL's GRPOTrainer for `steps` steps on the same model, env and settings; returns the measurements.
+    With a `profile`, the steps' parts are timed into it (trl_parts)."""
     os.environ["TRL_EXPERIMENTAL_SILENCE"] = "1"  # environment_factory is marked experimental in TRL 1.x
+    from accelerate import Accelerator
     from transformers import TrainerCallback
     from datasets import Dataset
     from trl import GRPOConfig, GRPOTrainer
@@ -170,7 +210,8 @@ def run_trl(steps, seed):
             logging_steps=1, report_to="none", save_strategy="no", disable_tqdm=False)
         trainer = GRPOTrainer(model=model, processing_class=tokenizer, reward_funcs=env_reward, args=config,
                               train_dataset=dataset, environment_factory=SearchEnv, callbacks=[StepTimer()])
-        trainer.train()
+        with profiling(profile, trl_parts(profile, GRPOTrainer, Accelerator)) if profile else contextlib.nullcontext():
+            trainer.train()
         per_step = step_log["per_step"]
         measured = per_step[2:]
         return {"seconds_per_step": (measured[-1]["time"] - per_step[1]["time"]) / len(measured),
@@ -185,6 +226,8 @@ def main():
     parser.add_argument("--steps", type=int, default=30, help="training steps per run (at least 3)")
     parser.add_argument("--rounds", type=int, default=3,
                         help="rounds; round r runs nanoagent, then TRL, with train.py's default seed + r")
+    parser.add_argument("--profile", action="store_true",
+                        help="print where each run's timed steps go (the timers are on for both sides)")
     parser.add_argument("--worker", choices=["nanoagent", "trl"], help=argparse.SUPPRESS)  # one run, in a child
     parser.add_argument("--seed", type=int, default=0, help=argparse.SUPPRESS)  # the worker's seed
     cli = parser.parse_args()
@@ -193,7 +236,11 @@ def main():
     if cli.rounds < 1:
         parser.error("--rounds must be at least 1")
     if cli.worker:
-        result = (run_nanoagent if cli.worker == "nanoagent" else run_trl)(cli.steps, cli.seed)
+        profile = new_profile() if cli.profile else None
+        result = (run_nanoagent if cli.worker == "nanoagent" else run_trl)(cli.steps, cli.seed, profile)
+        if profile:  # the table's lines start with "|": the parent prints them
+            total = profile["end"] - profile["start"]
+            print_table(profile_table(profile, total, cli.steps - TIMED_FROM, 1000), "ms/step", "calls/step")
         print("RESULT " + json.dumps(result))
         return
 
@@ -213,13 +260,16 @@ def main():
               flush=True)
         for name in results:
             child = subprocess.run([sys.executable, __file__, "--worker", name, "--steps", str(cli.steps),
-                                    "--seed", str(seed)], capture_output=True, text=True)
+                                    "--seed", str(seed), *(["--profile"] if cli.profile else [])],
+                                   capture_output=True, text=True)
             lines = [line for line in child.stdout.splitlines() if line.startswith("RESULT ")]
             if child.returncode != 0 or not lines:
                 sys.exit(f"the {name} run failed:\n{child.stdout[-3000:]}\n{child.stderr[-3000:]}")
             results[name].append(json.loads(lines[-1].removeprefix("RESULT ")))
             print(f"  {name:9s} " + ", ".join(f"{key} {value:.3f}" for key, value in results[name][-1].items()),
                   flush=True)
+            if cli.profile:
+                print("\n".join(line for line in child.stdout.splitlines() if line.startswith("|")), flush=True)
 
     def median(name, key):
         return statistics.median(run[key] for run in results[name])
