@@ -7,10 +7,11 @@ an attacker with a kernel exploit (no seccomp filter; the kernel is shared). `la
 
 1. "process" (always). A new session per call in a fresh temporary directory, stdin closed, four environment
    variables and none of ours; isolated Python (`-I -S`: no PYTHON* variables, no site-packages), so the project
-   cannot be imported; hard limits on CPU, memory, file size, open files and core dumps; at the time-out or the
-   output cap we kill the process group and every process with the call's token in its environment (which one
-   that left the group keeps). Not stopped: what our uid may do (write the repository, signal the trainer, read
-   its /proc/PID/environ), the network, forks, a process that leaves the group and replaces its environment.
+   cannot be imported; hard limits on CPU, memory, file size, open files and core dumps (util-linux's prlimit
+   sets them, then execs the program); at the time-out or the output cap we kill the process group and every
+   process with the call's token in its environment (which one that left the group keeps). Not stopped: what our
+   uid may do (write the repository, signal the trainer, read its /proc/PID/environ), the network, forks, a
+   process that leaves the group and replaces its environment.
 2. "unprivileged uid" (when we are root, as CI is). The program runs as nobody, with no groups: it cannot write
    what root owns, read root-only files (/root) or signal the trainer; RLIMIT_NPROC caps its processes. Not
    stopped: what any user may read (/etc) or write (/tmp), the network; calls running at once are all nobody:
@@ -110,18 +111,15 @@ def _run(source: bytes, limits: Limits, bwrap: bool, as_nobody: bool) -> tuple[s
         python = os.path.realpath(sys.executable)  # a virtual environment's python links to its base interpreter
         if (bwrap or as_nobody) and not python.startswith("/usr/"):
             python = "/usr/bin/python3"
-        # A first program sets the limits, then execs the model's (not Popen's preexec_fn: it can deadlock in threads)
-        rlimits = [("RLIMIT_CPU", limits.cpu_s, limits.cpu_s + 1),  # SIGXCPU first, SIGKILL a second later
-                   ("RLIMIT_AS", limits.memory_mb << 20, limits.memory_mb << 20),
-                   ("RLIMIT_FSIZE", limits.file_mb << 20, limits.file_mb << 20),
-                   ("RLIMIT_NOFILE", limits.open_files, limits.open_files), ("RLIMIT_CORE", 0, 0)]
+        # util-linux's prlimit sets the limits, then execs the program: not Popen's preexec_fn (it can deadlock in
+        # threads), nor a Python prelude (a second interpreter start: a third of a call's time)
+        rlimits = [f"--cpu={limits.cpu_s}:{limits.cpu_s + 1}",  # SIGXCPU first, SIGKILL a second later
+                   f"--as={limits.memory_mb << 20}", f"--fsize={limits.file_mb << 20}", f"--nofile={limits.open_files}",
+                   "--core=0"]
         if bwrap or as_nobody:  # RLIMIT_NPROC counts every process and thread of the uid: not where it is ours
-            rlimits.append(("RLIMIT_NPROC", limits.processes, limits.processes))
-        flags = ["-I", "-S", "-u", "-X", "utf8"]  # -u: what it printed before a time-out still comes back
-        prelude = (f"import os, resource\nfor name, soft, hard in {rlimits!r}:\n"
-                   "    resource.setrlimit(getattr(resource, name), (soft, hard))\n"
-                   f"os.execv({python!r}, [{python!r}, *{flags!r}, 'main.py'])\n")
-        argv = [python, *flags, "-c", prelude]
+            rlimits.append(f"--nproc={limits.processes}")
+        # -u: what it printed before a time-out still comes back. prlimit is found on PATH, in the sandbox too.
+        argv = ["prlimit", *rlimits, "--", python, "-I", "-S", "-u", "-X", "utf8", "main.py"]
         if bwrap:  # it passes on the environment Popen gives it, and sets PWD
             argv = [_BWRAP, "--unshare-user", "--uid", str(NOBODY), "--gid", str(NOBODY),  # not root, even inside
                     "--unshare-pid", "--die-with-parent",  # a PID namespace of its own, which dies if we do

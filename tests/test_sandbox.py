@@ -6,6 +6,7 @@ both; as a normal user without bubblewrap it runs as us and may do what we may, 
 uid of its own stops skip there. Tests that need bubblewrap fail in CI when it is missing, and skip elsewhere.
 """
 
+import ast
 import os
 import shutil
 import signal
@@ -228,6 +229,20 @@ def test_an_infinite_loop_is_stopped_by_the_cpu_limit(configuration):
     text, ok = run_python("while True: pass", Limits(cpu_s=1, timeout_s=20))
     assert (text, ok) == ("[sandbox: CPU time limit: the program used 1 s of CPU and was killed]", False)
     assert time.monotonic() - start < 10  # one second of CPU, however busy the machine
+
+
+def test_the_program_runs_under_exactly_the_limits_it_was_given(configuration):
+    limits = Limits(cpu_s=3, memory_mb=300, file_mb=5, open_files=32, processes=20)
+    names = ["RLIMIT_CPU", "RLIMIT_AS", "RLIMIT_FSIZE", "RLIMIT_NOFILE", "RLIMIT_CORE", "RLIMIT_NPROC"]
+    text, ok = run_python(f"import resource; print([resource.getrlimit(getattr(resource, n)) for n in {names}])",
+                          limits)
+    assert ok, text
+    expected = [(3, 4), (300 << 20, 300 << 20), (5 << 20, 5 << 20), (32, 32), (0, 0)]  # SIGXCPU, then a second
+    got = [tuple(pair) for pair in ast.literal_eval(text)]
+    if configuration == ["process"]:  # the program runs as us: a cap on our uid's processes would count ours
+        assert got[:5] == expected
+    else:
+        assert got == expected + [(20, 20)]
 
 
 def test_the_program_cannot_raise_its_limits(configuration):
