@@ -162,6 +162,22 @@ def profiling(profile, parts):
         yield profile
 
 
+def new_step(profile):
+    """Count a training step; at the first timed one, start the clock and forget what the steps before timed."""
+    profile["rollouts"] += 1
+    if profile["rollouts"] == TIMED_FROM + 1:
+        profile.update(seconds={}, calls={}, episodes={}, start=time.perf_counter())
+
+
+def new_turn(profile, what, episodes):
+    """The label of a step's next generation call, `what`, for `episodes` episodes, which the table averages."""
+    profile["turn"] += 1
+    name = f"turn {profile['turn']}: {what}"
+    path = (*profile["stack"], name)
+    profile["episodes"][path] = profile["episodes"].get(path, 0) + episodes
+    return name
+
+
 def timer_cost(repeats=20_000):
     """Seconds that timing one call adds (its label, clock reads and bookkeeping), on a call that does nothing."""
     profile = new_profile()
@@ -187,17 +203,11 @@ def step_parts(profile):
         profile["turn"] = 0
         if profile["stack"]:
             return "rollout.rollout"  # the held-out evaluation's
-        profile["rollouts"] += 1
-        if profile["rollouts"] == TIMED_FROM + 1:  # the first timed step: start the clock, forget the others
-            profile.update(seconds={}, calls={}, episodes={}, start=time.perf_counter())
+        new_step(profile)
         return "1. rollout (rollout.rollout)"
 
     def generate(sampler, prompts, *args, **kwargs):  # one call a turn, every running episode in it
-        profile["turn"] += 1
-        name = f"turn {profile['turn']}: sampler.generate"
-        path = (*profile["stack"], name)
-        profile["episodes"][path] = profile["episodes"].get(path, 0) + len(prompts)
-        return name
+        return new_turn(profile, "sampler.generate", len(prompts))
 
     def scoring(model, *args, **kwargs):  # the update's forward runs with gradients, the scoring passes without
         if profile["stack"]:

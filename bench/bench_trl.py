@@ -56,8 +56,8 @@ import envs  # noqa: E402
 import rollout  # noqa: E402
 import tools  # noqa: E402
 import train  # noqa: E402
-from bench_train import (TIMED_FROM, new_profile, peak_memory_mb, print_table, profile_table,  # noqa: E402
-                         profiling, step_parts, timed_run)  # bench/ is this script's own folder
+from bench_train import (TIMED_FROM, new_profile, new_step, new_turn, peak_memory_mb, print_table,  # noqa: E402
+                         profile_table, profiling, step_parts, timed_run)  # bench/ is this script's own folder
 from nanoagent.models import load_model, resolve_model_path  # noqa: E402
 from nanoagent.sampler import TorchSampler  # noqa: E402
 
@@ -96,9 +96,7 @@ def trl_parts(profile, trainer_class, accelerator_class):
     """(owner, attribute, label) of what a GRPOTrainer step calls, for bench_train's `profiling`, named like
     nanoagent's parts where the work is the same. The clock starts at the first timed step's generation."""
     def generate_and_score(*args, **kwargs):
-        profile["rollouts"] += 1
-        if profile["rollouts"] == TIMED_FROM + 1:
-            profile.update(seconds={}, calls={}, episodes={}, start=time.perf_counter())
+        new_step(profile)
         return "1-4. generate and score (_generate_and_score_completions)"
 
     def generate(*args, **kwargs):
@@ -106,11 +104,7 @@ def trl_parts(profile, trainer_class, accelerator_class):
         return "rollout (_generate)"
 
     def turn(trainer, prompt_ids, *args, **kwargs):  # the first turn from _generate, later ones from the tool loop
-        profile["turn"] += 1
-        name = f"turn {profile['turn']}: generate (_generate_single_turn)"
-        path = (*profile["stack"], name)
-        profile["episodes"][path] = profile["episodes"].get(path, 0) + len(prompt_ids)
-        return name
+        return new_turn(profile, "generate (_generate_single_turn)", len(prompt_ids))
 
     def loss(*args, **kwargs):
         profile.update(backward="5. update: policy backward", optimizer="5. update: policy optimizer step")
