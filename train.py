@@ -44,7 +44,7 @@ import rollout
 import sft
 from nanoagent.checkpoint import latest_checkpoint, load_trainer_state, load_training_states, save_checkpoint
 from nanoagent.common import (UserError, autodetect_device_type, autodetect_dtype, compute_cleanup, compute_init,
-                              print0, rng_state, seed_everything, set_rng_state)
+                              get_dist_info, print0, rng_state, seed_everything, set_rng_state)
 from nanoagent.lora import add_lora
 from nanoagent.models import load_critic, load_model, resolve_model_path, sample_as_trained, shared_prompt_hidden
 from nanoagent.parallel import (clip_gradients, forward_through_root, gather_objects, is_sharded, shard_model,
@@ -135,6 +135,8 @@ def get_args(argv=None):
     add("--eval_every", type=int, default=10, help="steps between held-out evaluations (0: off)")
     add("--eval_episodes", type=int, default=128)
     add("--save_every", type=int, default=50)
+    add("--collective_timeout", type=float, default=30, help="minutes a rank waits for the others in one "
+        "collective before the run stops with an error (rank 0's warm-up and checkpoint writes must fit)")
     add("--seed", type=int, default=3,
         help="seeds the warm-up and RL (3: the main job took off from it with one thread and two; docs/performance.md)")
     add("--wandb", help="a wandb project name to log to (needs wandb installed)")
@@ -168,6 +170,8 @@ def get_args(argv=None):
     check(args.tis_cap is None or args.tis_cap > 0, "--tis_cap must be positive")
     check(args.max_new_tokens < args.max_total_tokens, "--max_new_tokens must be below --max_total_tokens")
     check(args.steps >= 1 and args.ppo_epochs >= 1, "--steps and --ppo_epochs must be at least 1")
+    world_size = get_dist_info()[3]
+    check(args.prompts_per_step % world_size == 0, f"--prompts_per_step must divide over {world_size} ranks")
     check(args.lora_rank >= 0, "--lora_rank must be 0 (off) or a positive rank")
     check(args.critic_warmup == 0 or args.algo == "ppo", "--critic_warmup needs a critic (--algo ppo)")
     check(args.kl != "in_reward" or args.algo != "grpo",
@@ -210,15 +214,14 @@ class Run:
 
 # Flags a resumed run may change: how long it runs and how it reports (any other would make it another run).
 RESUMABLE_FLAGS = {"steps", "resume", "eval_every", "eval_episodes", "save_every", "wandb", "out_dir", "device",
-                   "vllm_memory", "vllm_sleep", "on_echo_trap"}
+                   "vllm_memory", "vllm_sleep", "on_echo_trap", "collective_timeout"}
 
 
 def set_up(args):
     """Start the process (torchrun or not), load or resume the models, build the sampler and env: a Run."""
-    _, rank, _, world_size, device = compute_init(args.device)
+    _, rank, _, world_size, device = compute_init(args.device, args.collective_timeout)
     master = rank == 0
     seed_everything(args.seed, rank)
-    assert args.prompts_per_step % world_size == 0, f"--prompts_per_step must divide over {world_size} ranks"
     dtype = autodetect_dtype(device.type)
     out_dir = Path(args.out_dir)
     try:  # create out_dir and write a file in it now, not at the first checkpoint an hour in
@@ -691,8 +694,9 @@ def main(argv=None):
         # A single update skips the separate pass: its own forward pass fills in the old log-probs (step 5).
         num_rows = input_ids.shape[0]
         num_minibatches = math.ceil(len(kept) / (args.minibatch_size or len(kept)))  # the same on every rank
-        assert num_rows >= num_minibatches, (f"rank {rank} holds {num_rows} trajectories for {num_minibatches} "
-                                             "minibatches: raise --minibatch_size or --prompts_per_step")
+        fewest_rows = len(kept) // world_size  # of any rank: all ranks stop here or none (a lone one hangs the rest)
+        assert fewest_rows >= num_minibatches, (f"a rank holds {fewest_rows} trajectories for {num_minibatches} "
+                                                "minibatches: raise --minibatch_size or --prompts_per_step")
         single_update = is_single_update(args, len(kept), step)
         with torch.no_grad():
             old_logprobs = (torch.zeros_like(loss_mask) if single_update else token_logprobs(

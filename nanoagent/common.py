@@ -7,6 +7,7 @@ on CPU), so the same script is tested with 2 CPU processes on a laptop and runs 
 on several nodes with torchrun's --nnodes) unchanged.
 """
 
+import datetime
 import os
 import random
 
@@ -69,9 +70,11 @@ def print0(*args, **kwargs):
         print(*args, **kwargs)
 
 
-def compute_init(device_type=None):
+def compute_init(device_type=None, timeout_minutes=30):
     """Set up this process (see above); returns (ddp, rank, local_rank, world_size, device).
-    device_type: 'cuda', 'cpu' or None (autodetect). On CUDA each rank is pinned to its local rank's GPU."""
+    device_type: 'cuda', 'cpu' or None (autodetect). On CUDA each rank is pinned to its local rank's GPU.
+    timeout_minutes: how long a collective waits for the other ranks before it raises (NCCL's watchdog ends the
+    process, naming the call): ranks that diverged (nanoagent/parallel.py's rule) stop with an error, not a hang."""
     device_type = device_type or autodetect_device_type()
     assert device_type in ("cuda", "cpu"), f"unsupported device type {device_type!r}: use 'cuda' or 'cpu'"
     ddp, rank, local_rank, world_size = get_dist_info()
@@ -84,7 +87,8 @@ def compute_init(device_type=None):
         device = torch.device("cpu")
     if ddp:
         backend = "nccl" if device_type == "cuda" else "gloo"
-        dist.init_process_group(backend=backend, device_id=device if device_type == "cuda" else None)
+        dist.init_process_group(backend=backend, device_id=device if device_type == "cuda" else None,
+                                timeout=datetime.timedelta(minutes=timeout_minutes))
         dist.barrier()
     elif device_type == "cuda":  # a 1-rank group: a single GPU trains sharded too (nanoagent/parallel.py)
         dist.init_process_group(backend="nccl", store=dist.HashStore(), rank=0, world_size=1, device_id=device)

@@ -43,6 +43,7 @@ from transformers.utils import logging as transformers_logging
 
 from nanoagent.checkpoint import save_atomically
 from nanoagent.common import UserError
+from nanoagent.parallel import most_over_ranks
 
 # Qwen2.5's published chat template, verbatim: system block with the tools list, `<tool_call>` JSON in
 # assistant turns, tool results wrapped in `<tool_response>` inside a user turn.
@@ -366,9 +367,12 @@ def shared_prompt_hidden(model, input_ids, attention_mask, prompt_lengths):
     prompt_last = prompt_out.last_hidden_state[:, -1:]  # (U, 1, D): predicts each prompt's first rest token
     rest_lengths = attention_mask.sum(dim=1) - prompt_lengths  # (B,)
     length_class = (rest_lengths.max() / rest_lengths.clamp(min=1)).log2().floor()  # (B,) k: 2^k to 2^(k+1) shorter
+    batches = [(length_class == k).nonzero().squeeze(1) for k in length_class.unique()]  # (b,) each, in batch order
+    # Under FSDP2 every pass is a collective: a rank with fewer passes than another runs stand-ins on one row and
+    # drops their output, kept in the autograd graph so that the backward's collectives match too.
+    stand_ins = most_over_ranks(model, len(batches), device) - len(batches)
     passes, rows_in_order = [], []
-    for k in length_class.unique():
-        rows = (length_class == k).nonzero().squeeze(1)  # (b,) this pass's rows, in their batch order
+    for rows, used in [(rows, len(rows)) for rows in batches] + [(batches[-1][:1], 0)] * stand_ins:
         own = owner[rows]  # (b,) each row's prompt
         cache = DynamicCache(config=model.config)  # each row reads its own prompt's keys and values
         for index, layer in enumerate(prompt_out.past_key_values.layers):
@@ -384,6 +388,6 @@ def shared_prompt_hidden(model, input_ids, attention_mask, prompt_lengths):
         # Back to the rows' own columns: column j of `tail` is position prompt_length - 1 + j.
         tail = torch.cat([prompt_last.index_select(0, own), rest_hidden], dim=1)  # (b, 1 + R, D)
         source = (torch.arange(width, device=device) - starts + 1).clamp(0, rest_width)  # (b, T)
-        passes.append(tail.gather(1, source[..., None].expand(-1, -1, tail.shape[-1])))  # (b, T, D)
-        rows_in_order.append(rows)
+        passes.append(tail.gather(1, source[..., None].expand(-1, -1, tail.shape[-1]))[:used])  # (b, T, D)
+        rows_in_order.append(rows[:used])
     return torch.cat(passes).index_select(0, torch.cat(rows_in_order).argsort())  # (B, T, D), in batch order

@@ -19,6 +19,20 @@ train.py shows the algorithm; this file holds what makes the same step run on 1 
 
 Training shards whenever a process group is up: under torchrun, and on a single GPU, where compute_init
 starts a 1-rank group, so every GPU run takes this one path. A single CPU process uses the plain model.
+
+The rule: every rank makes the same collectives in the same order, whatever its own rows hold (each forward and
+backward of a sharded model is one); one more on a rank leaves the others waiting until compute_init's time-out.
+What keeps each part of train.py's step to it (tests/test_parallel.py feeds two ranks skewed rows and compares):
+- rollout and eval: an unsharded sampler (a TorchSampler's copy, a rank's own vLLM engine) makes none; then one
+  gather_objects (eval: one sums_over_ranks, whether a rank played any seed or none);
+- StarPO-S, the minibatches' count, GRPO's advantages, the RAGEN-2 probe: from the gathered batch, alike everywhere;
+- scoring (policy, reference, critic) and each minibatch: one forward (and backward), on rows every rank holds
+  (fewer rows than minibatches stops all ranks); shared_prompt_hidden's passes as many everywhere (most_over_ranks);
+- token counts, whitening, logged metrics, grad clipping's norm: a fixed number of reductions a step;
+- the weight push (copy, vLLM, LoRA merged) and checkpoints: every rank gathers each entry in state-dict order and
+  saves its optimizer shards; rank 0 alone writes the files (the others wait for it in the next collective);
+- Echo-Trap response: decided from metrics that are global, so the same on every rank;
+- warm-up (sft.py): rank 0 alone, on an unsharded model (no collective), while the others wait in one barrier.
 """
 
 import torch
@@ -89,6 +103,16 @@ def sum_over_ranks(tensor):
         tensor = tensor.clone()
         dist.all_reduce(tensor)
     return tensor
+
+
+def most_over_ranks(model, count, device):
+    """The largest `count` of any rank (one all-reduce) when `model` is sharded: how many forward passes every
+    rank makes where each needs `count` (under FSDP2 each pass is a collective); `count` itself otherwise."""
+    if not isinstance(model, FSDPModule):  # sft.py's warm-up runs on rank 0 alone: no collective then
+        return count
+    count = torch.tensor(count, device=device)
+    dist.all_reduce(count, op=dist.ReduceOp.MAX)
+    return int(count)
 
 
 def sums_over_ranks(numbers, device):

@@ -2,6 +2,7 @@
 sharded checkpoints and resume on another number of ranks, the samplers' update_weights from a sharded policy,
 and fp32 master weights."""
 
+import itertools
 import json
 import os
 import shutil
@@ -322,3 +323,99 @@ def test_rehearsal_at_qwen25_shapes_grpo_vllm_two_ranks_save(tmp_path):
         "lm_head.weight"}
     start = AutoModelForCausalLM.from_pretrained(qwen25_few_layers())
     assert not torch.equal(policy.model.embed_tokens.weight, start.model.embed_tokens.weight)  # trained
+
+
+SKEW_SCRIPT = """
+import datetime, json, sys
+import torch, torch.distributed as dist
+from torch.utils._pytree import tree_leaves
+from torch.utils._python_dispatch import TorchDispatchMode
+from transformers import AutoTokenizer
+import train
+from nanoagent.models import resolve_model_path
+from nanoagent.sampler import Generation, TorchSampler, per_row
+
+out, repo, runs = sys.argv[1], sys.argv[2], json.loads(sys.argv[3])
+# One process group for all the runs (gloo's connections made again in one process can meet stale addresses),
+# whose collectives time out in seconds: a divergence fails fast, whatever compute_init holds.
+init_process_group = dist.init_process_group
+dist.init_process_group = lambda *args, **kwargs: dist.is_initialized() or init_process_group(
+    *args, **{**kwargs, "timeout": datetime.timedelta(seconds=30)})
+train.compute_cleanup = lambda: None
+
+
+class Collectives(TorchDispatchMode):
+    '''Logs every collective this process makes, whoever calls it (dist's functions, FSDP2's all-gathers and
+    reduce-scatters, DTensor's functional collectives all reach the dispatcher as c10d ops), with the shapes of
+    its tensors (but a gather's or scatter's) and the innermost line of the project that led to it. Flushed at
+    once: a hung rank's log stays.'''
+    def __init__(self, path):
+        super().__init__()
+        self.log = open(path, "w", buffering=1)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func.namespace in ("c10d", "_c10d_functional") and "wait" not in func.__name__:
+            frame = sys._getframe()
+            while frame is not None and not frame.f_code.co_filename.startswith(repo):
+                frame = frame.f_back
+            code = frame.f_code if frame else None
+            where = f"{code.co_filename[len(repo) + 1:]}:{frame.f_lineno} {code.co_name}" if code else "?"
+            rooted = func._opname in ("gather_", "scatter_")  # the root passes more tensors than the others
+            shapes = [list(leaf.shape) for leaf in tree_leaves((args, kwargs))
+                      if isinstance(leaf, torch.Tensor) and not rooted]
+            self.log.write(f"{func} {shapes} {where}\\n")
+        return func(*args, **(kwargs or {}))
+
+
+class Skewed(TorchSampler):
+    '''Scripted turns, by rank: rank 0's episodes run on for several long turns (filler up to the token budget, a
+    format error), or answer at once, by each row's seed; rank 1's all answer at once. So rank 0's rows are long
+    and short, many-turned and one-turned, and rank 1's all short.'''
+    def generate(self, prompts, max_new_tokens, temperature=1.0, top_p=1.0, stop_token_ids=(), seed=0):
+        tokenizer = AutoTokenizer.from_pretrained(resolve_model_path("tiny"))
+        answer, filler = tokenizer.encode("<answer>no</answer><|im_end|>"), tokenizer.encode(" the")[:1]
+        return [Generation(filler * budget, [-1.0] * budget, "length") if dist.get_rank() == 0 and row_seed % 3
+                else Generation(answer, [-1.0] * len(answer), "stop")
+                for budget, row_seed in zip(per_row(max_new_tokens, len(prompts)), per_row(seed, len(prompts)))]
+
+
+train.TorchSampler = Skewed
+recorder = Collectives(f"{out}/collectives-{int(__import__('os').environ['RANK'])}.log")
+for argv in runs:
+    recorder.log.write(f"run {argv}\\n")
+    with recorder:
+        train.main(argv)
+dist.destroy_process_group()
+"""
+# Rows on the two ranks differ in length, turns and prompts; each run a step's options: GRPO with groups cut
+# between the ranks (3 of 4 groups of 3 kept: 4 rows and 5), PPO with a critic, a KL reference, scoring passes,
+# minibatches, TIS and an eval, LoRA, shared prompts off (REINFORCE++ on every token), and a resume.
+SKEWED = ["--env", "synthetic_qa", "--warmup_steps", "0", "--max_turns", "3", "--max_new_tokens", "12",
+          "--max_total_tokens", "256", "--prompts_per_step", "4", "--group_size", "3", "--eval_every", "0",
+          "--save_every", "1", "--device", "cpu"]
+SKEWED_RUNS = [["--algo", "grpo", "--filter_ratio", "0.75"],
+               ["--algo", "ppo", "--kl", "loss", "--minibatch_size", "4", "--ppo_epochs", "2", "--tis_cap", "2",
+                "--eval_every", "2", "--eval_episodes", "3"],
+               ["--algo", "grpo", "--lora_rank", "4"],
+               ["--algo", "reinforce_pp", "--no_action_mask"]]
+
+
+def test_ranks_given_skewed_work_make_the_same_collectives_in_the_same_order(tmp_path):
+    # Every forward of a sharded model is a collective: a rank that runs another number of them than the others
+    # waits forever (shared_prompt_hidden's passes of similar length once did, on rows like these).
+    runs = [SKEWED + flags + ["--out_dir", str(tmp_path / str(index)), "--steps", "2"]
+            for index, flags in enumerate(SKEWED_RUNS)]
+    runs.append(runs[0][:-1] + ["3", "--resume"])
+    script = tmp_path / "skewed.py"
+    script.write_text(SKEW_SCRIPT)
+    env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
+    result = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+                             str(script), str(tmp_path), str(REPO), json.dumps(runs)],
+                            capture_output=True, text=True, env=env, cwd=REPO, timeout=600)
+    logs = [(tmp_path / f"collectives-{rank}.log").read_text().splitlines() for rank in (0, 1)]
+    for index, (zero, one) in enumerate(itertools.zip_longest(*logs)):
+        assert zero == one, (f"collective {index}: rank 0 made {zero}, rank 1 {one} (None: it stopped; the last "
+                             f"shared: {logs[0][index - 1]})\n{result.stderr[-3000:]}")
+    assert result.returncode == 0, result.stderr[-4000:]
+    assert [line for line in logs[0] if line.startswith("run")] == [f"run {argv}" for argv in runs]
+    assert any("nanoagent/models.py" in line for line in logs[0]), "FSDP2's all-gathers were not recorded"

@@ -243,6 +243,15 @@ def test_bad_configurations_fail_with_their_message(argv, message, capsys):
     assert message in capsys.readouterr().err
 
 
+def test_prompts_that_do_not_split_over_the_ranks_fail_at_start_with_their_message(monkeypatch, capsys):
+    for key, value in {"RANK": "1", "LOCAL_RANK": "1", "WORLD_SIZE": "2"}.items():  # as torchrun sets them
+        monkeypatch.setenv(key, value)
+    assert train.get_args(["--prompts_per_step", "4"]).prompts_per_step == 4
+    with pytest.raises(SystemExit):  # an argparse error: one line, before any process group (no traceback)
+        train.get_args(["--prompts_per_step", "5"])
+    assert "error: --prompts_per_step must divide over 2 ranks" in capsys.readouterr().err
+
+
 def test_starpo_s_sets_its_values_and_explicit_flags_win():
     args = train.get_args(["--starpo_s"])
     assert (args.algo, args.filter_ratio, args.clip_low, args.clip_high, args.kl) == ("ppo", 0.25, 0.2, 0.28, "none")
