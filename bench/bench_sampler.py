@@ -37,69 +37,112 @@ import time
 from pathlib import Path
 
 import torch
-from transformers import GenerationConfig
+from transformers import GenerationConfig, Qwen2Config, Qwen2ForCausalLM
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # nanoagent/ lives at the repository root
 from nanoagent.models import load_model, resolve_model_path, tiny_model, tiny_tokenizer  # noqa: E402
 from nanoagent.sampler import TorchSampler  # noqa: E402
 
+# name -> (prompts, first turn's generations) -> (the workload's prompts, its stop tokens); see the docstring
+WORKLOADS = {
+    "fixed length": lambda prompts, first_turn: (prompts, []),
+    "rollout turn": lambda prompts, first_turn: (prompts, ROLLOUT_STOPS),
+    "GRPO groups": lambda prompts, first_turn: ([prompt for prompt in prompts[::8] for _ in range(8)], ROLLOUT_STOPS),
+    "next turn": lambda prompts, first_turn: (
+        [prompt + generation.token_ids + torch.randint(0, len(tokenizer), (20,), generator=generator).tolist()
+         for prompt, generation in zip(prompts, first_turn)], ROLLOUT_STOPS),  # what a second turn's prompts are
+}
+
 parser = argparse.ArgumentParser(description="TorchSampler vs model.generate vs VLLMSampler, tokens/s")
 parser.add_argument("--shape", default="tiny", choices=["tiny", "qwen0.5b"], help="qwen0.5b: Qwen2.5-0.5B's widths")
 parser.add_argument("--layers", type=int, default=4, help="layers of the qwen0.5b shape (the real model has 24)")
-parser.add_argument("--num-prompts", type=int, default=64)
-parser.add_argument("--max-new-tokens", type=int, default=128)
+parser.add_argument("--vocab-size", type=int, default=None,
+                    help="vocabulary of the qwen0.5b shape (Qwen2.5's: 151936; default: the tiny tokenizer's)")
+parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+parser.add_argument("--num-prompts", type=int, nargs="+", default=[64], help="one or more batch sizes")
+parser.add_argument("--max-new-tokens", type=int, nargs="+", default=[128], help="one per --num-prompts")
+parser.add_argument("--prompt-lengths", type=int, nargs=2, default=[20, 300], help="shortest and longest prompt")
+parser.add_argument("--workloads", nargs="+", default=list(WORKLOADS), choices=list(WORKLOADS))
 parser.add_argument("--batch-size", type=int, default=None, help="TorchSampler rows per batch (default: all)")
+parser.add_argument("--generate-static", action="store_true",
+                    help="also model.generate with cache_implementation='static' (compiled by transformers on CUDA)")
+parser.add_argument("--baseline-sampler", default=None,
+                    help="a sampler.py whose TorchSampler is timed beside this one's (an earlier version, say)")
+parser.add_argument("--no-vllm", action="store_true", help="leave VLLMSampler out even when vLLM is installed")
 parser.add_argument("--threads", type=int, default=1, help="torch CPU threads")
 parser.add_argument("--repeats", type=int, default=3, help="timed runs per method; the median is reported")
 parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
 args = parser.parse_args()
+assert len(args.num_prompts) == len(args.max_new_tokens), "one --max-new-tokens per --num-prompts"
 
 QWEN25_05B_WIDTHS = dict(hidden_size=896, num_attention_heads=14, num_key_value_heads=2, intermediate_size=4864)
-model_path = resolve_model_path("tiny")
-if args.shape == "qwen0.5b":  # random weights are enough for speed; saved so that vLLM can load the same model
-    model_path = tempfile.mkdtemp(prefix="bench-qwen0.5b-")
-    tiny_model(tiny_tokenizer(), **QWEN25_05B_WIDTHS, num_hidden_layers=args.layers).save_pretrained(model_path)
-    tiny_tokenizer().save_pretrained(model_path)
 torch.set_num_threads(args.threads)
+dtype = getattr(torch, args.dtype)
+tokenizer = tiny_tokenizer()
+model_path = resolve_model_path("tiny")
+if args.shape == "qwen0.5b":  # random weights are enough for speed, built on the device (fast on a GPU)
+    config = tiny_model(tokenizer, num_hidden_layers=1).config.to_dict()
+    config = Qwen2Config(**{**config, **QWEN25_05B_WIDTHS, "num_hidden_layers": args.layers, "layer_types": None,
+                            "vocab_size": args.vocab_size or config["vocab_size"]})
+    with torch.device(args.device):
+        model = Qwen2ForCausalLM(config).to(dtype).eval()
+    model_path = tempfile.mkdtemp(prefix="bench-qwen0.5b-")  # for vLLM, which loads the same model from disk
+else:
+    model = load_model(model_path, device=args.device, dtype=dtype)[0]
+use_vllm = importlib.util.find_spec("vllm") is not None and not args.no_vllm
 vllm_sampler = None
-if importlib.util.find_spec("vllm") is not None:
+if use_vllm:
     from nanoagent.sampler import VLLMSampler
+    if args.shape == "qwen0.5b":
+        model.save_pretrained(model_path)
+        tokenizer.save_pretrained(model_path)
     os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", f"0-{args.threads - 1}")  # the engine's threads, on CPU
-    vllm_sampler = VLLMSampler(model_path, max_model_len=1024, dtype="float32",
+    vllm_sampler = VLLMSampler(model_path, max_model_len=1024, dtype=args.dtype,
                                gpu_memory_utilization=0.3 if args.device == "cuda" else None)
-model, tokenizer = load_model(model_path, device=args.device)
+BaselineSampler = None
+if args.baseline_sampler:  # imported under its own name, so that it keeps its own classes
+    spec = importlib.util.spec_from_file_location("baseline_sampler", args.baseline_sampler)
+    baseline_module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(baseline_module)
+    BaselineSampler = baseline_module.TorchSampler
 generator = torch.Generator().manual_seed(0)
-lengths = torch.linspace(20, 300, args.num_prompts).long().tolist()
-prompts = [torch.randint(0, len(tokenizer), (length,), generator=generator).tolist() for length in lengths]
-GROUPED = [prompt for prompt in prompts[::8] for _ in range(8)]  # 8 distinct prompts, 8 rows each
 ROLLOUT_STOPS = list(range(100, 900, 60))  # 14 ids of the tiny model's ~1100: a turn ends after ~80 tokens
 
 
-def sampler_tokens(sampler):
+def sampler_tokens(sampler, max_new_tokens):
     """A generate function for tokens_per_second: `sampler` (TorchSampler or VLLMSampler) on the prompts."""
     def generate(prompts, stop_token_ids):
-        generations = sampler.generate(prompts, args.max_new_tokens, temperature=1.0, stop_token_ids=stop_token_ids,
+        generations = sampler.generate(prompts, max_new_tokens, temperature=1.0, stop_token_ids=stop_token_ids,
                                        seed=list(range(len(prompts))))
         return sum(len(generation.token_ids) for generation in generations)
     return generate
 
 
-def hf_generate_tokens(prompts, stop_token_ids):
-    width = max(len(prompt) for prompt in prompts)
-    input_ids = torch.full((len(prompts), width), tokenizer.pad_token_id, device=args.device)  # (B, L), left padding
-    attention_mask = torch.zeros(len(prompts), width, dtype=torch.long, device=args.device)
-    for row, prompt in enumerate(prompts):
-        input_ids[row, width - len(prompt):] = torch.tensor(prompt)
-        attention_mask[row, width - len(prompt):] = 1
-    config = GenerationConfig(do_sample=True, temperature=1.0, top_k=0, top_p=1.0, max_new_tokens=args.max_new_tokens,
-                              eos_token_id=stop_token_ids or None, pad_token_id=tokenizer.pad_token_id)
-    with torch.inference_mode():
-        generated = model.generate(input_ids=input_ids, attention_mask=attention_mask, generation_config=config)
-        new_tokens = generated[:, width:]
-    count = 0
-    for row in new_tokens.tolist():  # a row's tokens up to and including its first stop token
-        count += next((index + 1 for index, token in enumerate(row) if token in stop_token_ids), len(row))
-    return count
+def hf_generate_tokens(max_new_tokens, cache_implementation=None):
+    """A generate function for tokens_per_second: model.generate on left-padded prompts."""
+    def generate(prompts, stop_token_ids):
+        width = max(len(prompt) for prompt in prompts)
+        input_ids = torch.full((len(prompts), width), tokenizer.pad_token_id, device=args.device)  # (B, L), left pad
+        attention_mask = torch.zeros(len(prompts), width, dtype=torch.long, device=args.device)
+        for row, prompt in enumerate(prompts):
+            input_ids[row, width - len(prompt):] = torch.tensor(prompt)
+            attention_mask[row, width - len(prompt):] = 1
+        config = GenerationConfig(do_sample=True, temperature=1.0, top_k=0, top_p=1.0, max_new_tokens=max_new_tokens,
+                                  eos_token_id=stop_token_ids or None, pad_token_id=tokenizer.pad_token_id,
+                                  cache_implementation=cache_implementation)
+        with torch.inference_mode():
+            generated = model.generate(input_ids=input_ids, attention_mask=attention_mask, generation_config=config)
+            new_tokens = generated[:, width:]
+        count = 0
+        for row in new_tokens.tolist():  # a row's tokens up to and including its first stop token
+            count += next((index + 1 for index, token in enumerate(row) if token in stop_token_ids), len(row))
+        return count
+    return generate
+
+
+def synchronize():
+    if args.device == "cuda":
+        torch.cuda.synchronize()
 
 
 def tokens_per_second(generate, prompts, stop_token_ids, before=None):
@@ -109,32 +152,75 @@ def tokens_per_second(generate, prompts, stop_token_ids, before=None):
     for repeat in range(args.repeats + 1):  # run 0 is the warm-up
         if before is not None:
             before()
+        synchronize()
         start = time.perf_counter()
         tokens = generate(prompts, stop_token_ids)
+        synchronize()
         if repeat:
             rates.append(tokens / (time.perf_counter() - start))
     return statistics.median(rates)
 
 
-print(f"{args.shape} model ({sum(p.numel() for p in model.parameters()) / 1e6:.1f}M parameters, float32), "
-      f"{args.num_prompts} prompts of {min(lengths)}-{max(lengths)} tokens, up to {args.max_new_tokens} new tokens, "
-      f"TorchSampler batch size {args.batch_size or 'all'}, {torch.get_num_threads()} torch thread(s)")
-first_turn = TorchSampler(model).generate(prompts, args.max_new_tokens, stop_token_ids=ROLLOUT_STOPS,
-                                         seed=list(range(len(prompts))))
-NEXT_TURN = [prompt + generation.token_ids + torch.randint(0, len(tokenizer), (20,), generator=generator).tolist()
-             for prompt, generation in zip(prompts, first_turn)]  # what a second turn's prompts look like
-for name, rows, stop_token_ids in [("fixed length", prompts, []), ("rollout turn", prompts, ROLLOUT_STOPS),
-                                   ("GRPO groups", GROUPED, ROLLOUT_STOPS), ("next turn", NEXT_TURN, ROLLOUT_STOPS)]:
-    def rate(sampler):
-        if name == "next turn":  # the same sampler samples the first turn, untimed, before every timed second turn
-            return tokens_per_second(sampler_tokens(sampler), rows, stop_token_ids,
-                                     before=lambda: sampler_tokens(sampler)(prompts, ROLLOUT_STOPS))
-        return tokens_per_second(sampler_tokens(sampler), rows, stop_token_ids)
-    ours = rate(TorchSampler(model, batch_size=args.batch_size))
-    theirs = tokens_per_second(hf_generate_tokens, rows, stop_token_ids)
-    line = (f"{name:13s} TorchSampler {ours:7.0f} tokens/s   model.generate {theirs:7.0f} tokens/s   "
-            f"{ours / theirs:5.2f}x")
-    if vllm_sampler is not None:
-        engine = rate(vllm_sampler)
-        line += f"   VLLMSampler {engine:7.0f} tokens/s   TorchSampler / VLLMSampler {ours / engine:5.2f}x"
-    print(line, flush=True)
+def memory_roofline(num_prompts, max_new_tokens, mean_prompt_length):
+    """Tokens/s if every decode step only read the weights and the KV cache once (at the mean context), at the
+    bandwidth a large copy reaches on this device: the ceiling of a memory-bound decoder."""
+    source = torch.empty(2**28 if args.device == "cuda" else 2**26, dtype=torch.uint8, device=args.device)
+    target, seconds = torch.empty_like(source), []
+    for _ in range(5):
+        synchronize()
+        start = time.perf_counter()
+        target.copy_(source)
+        synchronize()
+        seconds.append(time.perf_counter() - start)
+    bandwidth = 2 * source.numel() / min(seconds[1:])  # bytes read and written per second
+    weights = sum(parameter.numel() * parameter.element_size() for parameter in model.parameters())
+    config = model.config
+    head_dim = config.hidden_size // config.num_attention_heads
+    per_token = config.num_hidden_layers * 2 * config.num_key_value_heads * head_dim * dtype.itemsize  # K and V
+    kv_cache = num_prompts * (mean_prompt_length + max_new_tokens / 2) * per_token
+    step = (weights + kv_cache) / bandwidth
+    return num_prompts / step, step, bandwidth
+
+
+print(f"{args.shape} model ({sum(p.numel() for p in model.parameters()) / 1e6:.1f}M parameters, vocabulary "
+      f"{model.config.vocab_size}, {args.dtype}, {args.device}), prompts of {args.prompt_lengths[0]}-"
+      f"{args.prompt_lengths[1]} tokens, TorchSampler batch size {args.batch_size or 'all'}, "
+      f"{torch.get_num_threads()} torch thread(s)" + (f", {torch.cuda.get_device_name()}" if args.device == "cuda"
+                                                       else ""), flush=True)
+for num_prompts, max_new_tokens in zip(args.num_prompts, args.max_new_tokens):
+    lengths = torch.linspace(*args.prompt_lengths, num_prompts).long().tolist()
+    prompts = [torch.randint(0, len(tokenizer), (length,), generator=generator).tolist() for length in lengths]
+    print(f"\n{num_prompts} rows x up to {max_new_tokens} new tokens", flush=True)
+    first_turn = None
+    for name in args.workloads:
+        if name == "next turn" and first_turn is None:
+            first_turn = TorchSampler(model).generate(prompts, max_new_tokens, stop_token_ids=ROLLOUT_STOPS,
+                                                     seed=list(range(len(prompts))))
+        rows, stop_token_ids = WORKLOADS[name](prompts, first_turn)
+
+        def rate(sampler):
+            if name == "next turn":  # the same sampler samples the first turn, untimed, before every timed second
+                return tokens_per_second(sampler_tokens(sampler, max_new_tokens), rows, stop_token_ids,
+                                         before=lambda: sampler_tokens(sampler, max_new_tokens)(prompts, ROLLOUT_STOPS))
+            return tokens_per_second(sampler_tokens(sampler, max_new_tokens), rows, stop_token_ids)
+        ours = rate(TorchSampler(model, batch_size=args.batch_size))
+        theirs = tokens_per_second(hf_generate_tokens(max_new_tokens), rows, stop_token_ids)
+        line = (f"{name:13s} TorchSampler {ours:7.0f} tokens/s   model.generate {theirs:7.0f} tokens/s   "
+                f"{ours / theirs:5.2f}x")
+        print(line, flush=True)
+        if BaselineSampler is not None:
+            before = rate(BaselineSampler(model, batch_size=args.batch_size))
+            print(f"{'':13s} baseline TorchSampler {before:7.0f} tokens/s   this one / baseline {ours / before:5.2f}x",
+                  flush=True)
+        if args.generate_static:
+            start = time.perf_counter()
+            static = tokens_per_second(hf_generate_tokens(max_new_tokens, "static"), rows, stop_token_ids)
+            print(f"{'':13s} model.generate, static cache {static:7.0f} tokens/s   TorchSampler / it "
+                  f"{ours / static:5.2f}x   ({time.perf_counter() - start:.0f} s with its compilation)", flush=True)
+        if vllm_sampler is not None:
+            engine = rate(vllm_sampler)
+            print(f"{'':13s} VLLMSampler {engine:7.0f} tokens/s   TorchSampler / VLLMSampler {ours / engine:5.2f}x",
+                  flush=True)
+    roofline, step, bandwidth = memory_roofline(num_prompts, max_new_tokens, statistics.fmean(lengths))
+    print(f"{'':13s} memory roofline {roofline:7.0f} tokens/s ({1000 * step:.2f} ms a step: weights and KV cache "
+          f"read once at {bandwidth / 1e9:.0f} GB/s)", flush=True)

@@ -25,6 +25,7 @@ torch.Generator, so a row's tokens depend on its own seed only, never on which o
 """
 
 import os
+import warnings
 from dataclasses import dataclass
 
 import numpy
@@ -66,7 +67,7 @@ def sample_tokens(logits, temperature, top_p, uniforms):
     if top_p < 1.0:
         sorted_probs, order = probs.sort(dim=-1, descending=True)
         mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs  # probability of the tokens ranked above
-        sorted_probs[mass_before >= top_p] = 0.0  # the top token always survives (mass_before = 0)
+        sorted_probs = sorted_probs.masked_fill(mass_before >= top_p, 0.0)  # the top token survives (mass_before 0)
         probs = torch.zeros_like(probs).scatter(1, order, sorted_probs)
     cumulative = probs.cumsum(dim=-1)  # (B, V); the last column is the (kept) total mass
     targets = uniforms[:, None] * cumulative[:, -1:]  # (B, 1)
@@ -84,14 +85,19 @@ class PreallocatedLayer(DynamicLayer):
 
     def __init__(self, width):
         super().__init__()
-        self.width = width
+        self.width, self.column = width, None
 
     def update(self, key_states, value_states, *args, **kwargs):
+        if self.column is not None:  # a static-shape decode step: write the column the device tensor says, and
+            for buffer, new in zip(self.buffers, (key_states, value_states)):  # attend to the whole buffer (masked)
+                buffer.index_copy_(2, self.column, new)
+            self.keys, self.values = self.buffers
+            return self.keys, self.values
         length = self.get_seq_length()
         end = length + key_states.shape[-2]
         assert end <= self.width, f"{end} columns in a cache made for {self.width}"
-        if not self.is_initialized:  # buffers (B, H, width, d)
-            self.buffers = [states.new_empty(*states.shape[:2], self.width, states.shape[3])
+        if not self.is_initialized:  # buffers (B, H, width, d); zeros, as a masked column must not be inf or NaN
+            self.buffers = [states.new_zeros(*states.shape[:2], self.width, states.shape[3])
                             for states in (key_states, value_states)]
             self.is_initialized = True
         for buffer, new in zip(self.buffers, (key_states, value_states)):
@@ -115,10 +121,16 @@ class TorchSampler:
     sampled tokens but the last, which was never fed back); the next call, a multi-turn rollout's next turn,
     prefills only what follows the longest kept sequence that starts each prompt. Only the last call's rows
     are kept (memory stays one batch's cache), and a change of weights drops them (their keys are stale).
+
+    Static shapes (static_shapes; default: on CUDA), as vLLM's and nano-vllm's decode loops: each step attends to
+    the whole preallocated cache under a mask, finished rows stay in place until the live ones fit a batch of half
+    the size (a power of two, padded with copies of a live row), stops are found on the device and read back every
+    8 steps, so a GPU never waits for the host; on CUDA each batch size's step (forward and sampling) is one CUDA
+    graph. Off, a row leaves the batch as soon as it finishes: less work on a CPU, where nothing waits.
     """
 
-    def __init__(self, model, batch_size=None):
-        self.model, self.batch_size = model, batch_size
+    def __init__(self, model, batch_size=None, static_shapes=None):
+        self.model, self.batch_size, self.static_shapes = model, batch_size, static_shapes
         self.saved, self.saved_weights = {}, None  # token tuple -> per layer (keys, values), each (H, L, d)
 
     def update_weights(self, policy, dtype):
@@ -209,42 +221,111 @@ class TorchSampler:
         for row, (limit, seed) in enumerate(zip(max_new_tokens, seeds)):
             uniforms[row, :limit] = torch.rand(limit, generator=torch.Generator().manual_seed(seed))
         uniforms = uniforms.to(device)
-        generations = [Generation([], [], "length") for _ in prompts]
-        live = list(range(num_rows))  # the original row of each row still in the batch
         logits = self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
                             past_key_values=cache, use_cache=True, logits_to_keep=1).logits[:, -1]  # (U, V)
         cache.batch_select_indices(copy_of)  # (U, ...) -> (B, ...)
-        logits, attention_mask = logits[copy_of], attention_mask[copy_of]  # (B, V), (B, C+S)
-        next_position = torch.tensor([len(prompt) for prompt in prompts], device=device)  # (B,)
-        while True:
-            step = len(generations[live[0]].token_ids)  # every live row has sampled the same number of tokens
-            tokens, logprobs = sample_tokens(logits, temperature, top_p, uniforms[live, step])
-            keep = []
-            for index, (row, token, logprob) in enumerate(zip(live, tokens.tolist(), logprobs.tolist())):
-                generation = generations[row]
-                generation.token_ids.append(token)
-                generation.logprobs.append(logprob)
-                if token in stop_token_ids:
-                    generation.finish_reason = "stop"
-                elif len(generation.token_ids) < max_new_tokens[row]:
-                    keep.append(index)
-                    continue
-                if keep_finished:  # its keys and values: the prompt and every sampled token but this last one
-                    columns = attention_mask[index].nonzero().squeeze(1)  # found once, used by every layer
-                    self.saved[tuple(prompts[row]) + tuple(generation.token_ids[:-1])] = [
-                        (layer.keys[index][:, columns], layer.values[index][:, columns]) for layer in cache.layers]
-            if not keep:
-                return generations
-            if len(keep) < len(live):  # drop finished rows from the batch and the cache: they cost nothing more
-                kept = torch.tensor(keep, device=device)
-                cache.batch_select_indices(kept)
-                tokens, attention_mask, next_position = tokens[kept], attention_mask[kept], next_position[kept]
-                live = [live[index] for index in keep]
-            attention_mask = torch.cat([attention_mask, attention_mask.new_ones(len(live), 1)], dim=1)  # (B, C+S+t)
-            logits = self.model(input_ids=tokens[:, None], attention_mask=attention_mask,
-                                position_ids=next_position[:, None], past_key_values=cache,
-                                use_cache=True).logits[:, -1]  # (B, V)
-            next_position = next_position + 1
+        tokens, logprobs = sample_tokens(logits[copy_of], temperature, top_p, uniforms[:, 0])  # (B,) each
+        # The decode loop runs on "slots": a slot is a row of the batch tensors below and of the cache. Every slot
+        # tensor is indexed the same way when finished rows leave (state's values and the cache: one selection).
+        state = {"row": torch.arange(num_rows, device=device), "tokens": tokens, "noise": uniforms[:, 0].clone(),
+                 "position": torch.tensor([len(prompt) for prompt in prompts], device=device),  # (B,) next position
+                 "limit": torch.tensor(max_new_tokens, device=device), "uniforms": uniforms,
+                 "finished": torch.zeros(num_rows, dtype=torch.bool, device=device),
+                 "mask": attention_mask[copy_of]}  # (B, C+S), one more column per step (see `static`)
+        prefix_width, limit = attention_mask.shape[1], max(max_new_tokens)
+        static = (self.static_shapes if self.static_shapes is not None else device.type == "cuda") and keep_finished
+        if static:  # one shape for every step: the mask covers every column the cache has, unwritten ones masked
+            state["mask"] = torch.cat([state["mask"], state["mask"].new_zeros(num_rows, limit)], dim=1).bool()
+            column = torch.tensor([prefix_width], device=device)  # the cache column a step writes, on the device
+            for layer in cache.layers:
+                layer.column = column
+
+        def decode_step():  # feed each slot's last token, sample the next: (tokens (P,), logprobs (P,))
+            mask = state["mask"][:, None, None, :] if static else state["mask"]  # (P, 1, 1, W) is taken as is
+            logits = self.model(input_ids=state["tokens"][:, None], attention_mask=mask, use_cache=True,
+                                position_ids=state["position"][:, None], past_key_values=cache).logits[:, -1]
+            return sample_tokens(logits, temperature, top_p, state["noise"])
+
+        # What each row sampled, written on the device (a read back per token would stall a GPU at every step);
+        # row B is scratch for the slots that only pad a batch to its bucket.
+        sampled = torch.zeros(num_rows + 1, limit, dtype=torch.long, device=device)  # (B+1, limit)
+        sampled_logprobs = torch.zeros(num_rows + 1, limit, device=device)
+        stops = torch.tensor(sorted(stop_token_ids), dtype=torch.long, device=device)
+        generations, step_function = [None] * num_rows, None
+        for step in range(limit):
+            if step:  # the slot's token from the last step goes in at its position, into cache column C+S+step-1
+                if static:
+                    state["mask"][:, prefix_width + step - 1] = 1
+                    column.fill_(prefix_width + step - 1)
+                else:
+                    state["mask"] = torch.cat([state["mask"], state["mask"].new_ones(len(state["row"]), 1)], 1)
+                state["noise"].copy_(state["uniforms"][:, step])
+                step_function = step_function or (self.graphed(decode_step) if device.type == "cuda" and static
+                                                  else decode_step)
+                tokens, logprobs = step_function()
+                state["tokens"].copy_(tokens)
+                state["position"] += 1
+            sampled[state["row"], step], sampled_logprobs[state["row"], step] = tokens, logprobs
+            state["finished"] |= torch.isin(tokens, stops) | (step + 1 >= state["limit"])
+            # Which rows still run: read back every step on a CPU (where it costs nothing) and every 8th on a GPU.
+            if static and (step + 1) % 8 and step + 1 < limit:
+                continue
+            live = (~state["finished"]).nonzero().squeeze(1)  # (L,) slots
+            # Finished rows leave when the live ones fit a smaller bucket: a power of two with static shapes
+            # (few shapes, so few graphs; a finished slot computes on meanwhile, unread), else the live count.
+            bucket = 1 << (len(live) - 1).bit_length() if static and len(live) else len(live)
+            if bucket == len(state["row"]):
+                continue
+            leaving = state["finished"] & (state["row"] < num_rows)  # finished slots holding a real row
+            self.finish(generations, leaving.nonzero().squeeze(1), state, sampled, sampled_logprobs, cache, prompts,
+                        max_new_tokens, stop_token_ids, prefix_width, keep_finished)
+            if not len(live):
+                break
+            kept = torch.cat([live, live[:1].expand(bucket - len(live))])  # padded with copies of a live slot
+            state.update({name: value[kept] for name, value in state.items()})
+            state["row"][len(live):], state["finished"][len(live):] = num_rows, True
+            cache.batch_select_indices(kept)
+            step_function = None  # new shapes: a new graph
+        return generations
+
+    def finish(self, generations, slots, state, sampled, sampled_logprobs, cache, prompts, max_new_tokens,
+               stop_token_ids, prefix_width, keep_finished):
+        """Make the Generations of finished `slots` (a row ends at its first stop token or its limit), and keep
+        their keys and values for the next call: the prompt and every sampled token but the last."""
+        rows = state["row"][slots]
+        for slot, row, tokens, logprobs in zip(slots.tolist(), rows.tolist(), sampled[rows].tolist(),
+                                               sampled_logprobs[rows].tolist()):
+            length = next((index + 1 for index, token in enumerate(tokens[:max_new_tokens[row]])
+                           if token in stop_token_ids), max_new_tokens[row])
+            generations[row] = Generation(tokens[:length], logprobs[:length],
+                                          "stop" if tokens[length - 1] in stop_token_ids else "length")
+            if keep_finished:
+                columns = torch.cat([state["mask"][slot, :prefix_width].nonzero().squeeze(1),
+                                     torch.arange(prefix_width, prefix_width + length - 1, device=slots.device)])
+                self.saved[tuple(prompts[row]) + tuple(tokens[:length - 1])] = [
+                    (layer.keys[slot][:, columns], layer.values[slot][:, columns]) for layer in cache.layers]
+
+    @staticmethod
+    def graphed(function):
+        """`function` (no arguments, fixed shapes) captured in a CUDA graph: each call replays its kernels on the
+        same tensors, without Python or one launch per kernel. Runs it eagerly instead if capture fails."""
+        try:
+            side = torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):  # a warm-up run, outside the capture: lazy initialisations happen here
+                function()
+            torch.cuda.current_stream().wait_stream(side)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, capture_error_mode="thread_local"):  # other threads may use the GPU
+                outputs = function()
+        except RuntimeError as error:
+            warnings.warn(f"decoding without CUDA graphs, their capture failed: {error}")
+            return function
+
+        def replay():
+            graph.replay()
+            return outputs
+        return replay
 
 
 class VLLMSampler:

@@ -2,6 +2,8 @@
 on the GPU, a short bf16 training run, and, when vLLM is installed, the VLLMSampler and its weight sync.
 bench/gpu_check.py runs them with `python -m pytest -m gpu`."""
 
+import warnings
+
 import pytest
 import torch
 from torch.distributed.fsdp import FSDPModule
@@ -39,6 +41,26 @@ def test_torch_sampler_on_cuda_float32_matches_the_trainer(monkeypatch):
     model, _ = load_model("tiny", device="cuda", dtype=torch.float32)
     generations = TorchSampler(model).generate(PROMPTS, 16, temperature=1.0, seed=[1, 2, 3, 4])
     assert trainer_logprobs(model, PROMPTS, generations) <= 1e-3  # fp32, two kernel paths: rounding only
+
+
+def test_torch_sampler_cuda_graphs_sample_what_the_eager_loop_samples(monkeypatch):
+    # The default CUDA path (static shapes, a CUDA graph per bucket, rows read back every 8 steps) against the eager
+    # loop, float32: the same tokens and stops, the same log-probs, and the trainer's log-probs to 1e-5.
+    monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", False)
+    model, _ = load_model("tiny", device="cuda", dtype=torch.float32)
+    prompts, limits, seeds = PROMPTS * 3, [24, 3, 17, 9, 30, 12] * 2, list(range(12))
+    stop = TorchSampler(model, static_shapes=False).generate(prompts[:1], 24, 0.7, 0.95, seed=0)[0].token_ids[10]
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message="decoding without CUDA graphs")  # a failed capture fails the test
+        graphed = TorchSampler(model).generate(prompts, limits, 0.7, 0.95, stop_token_ids=[stop], seed=seeds)
+    eager = TorchSampler(model, static_shapes=False).generate(prompts, limits, 0.7, 0.95, [stop], seed=seeds)
+    assert [(g.token_ids, g.finish_reason) for g in graphed] == [(g.token_ids, g.finish_reason) for g in eager]
+    assert "stop" in {g.finish_reason for g in graphed}
+    difference = max((torch.tensor(g.logprobs) - torch.tensor(e.logprobs)).abs().max().item()
+                     for g, e in zip(graphed, eager))
+    mismatch = trainer_logprobs(model, prompts, graphed, temperature=0.7)
+    print(f"graphs vs eager: max |delta log-prob| {difference:.2e}; vs the trainer: mean {mismatch:.2e}")
+    assert difference <= 1e-5 and mismatch <= 1e-5
 
 
 def test_short_bf16_training_run_on_cuda(tmp_path):

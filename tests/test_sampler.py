@@ -112,7 +112,9 @@ def test_stop_tokens_and_per_row_lengths(model):
 
 def test_finished_rows_leave_the_batch_and_positions_skip_padding(model):
     calls = []
-    hook = model.register_forward_pre_hook(lambda module, args, kwargs: calls.append(kwargs), with_kwargs=True)
+    hook = model.register_forward_pre_hook(  # copies: the sampler updates its decode inputs in place
+        lambda module, args, kwargs: calls.append({name: value.clone() for name, value in kwargs.items()
+                                                   if torch.is_tensor(value)}), with_kwargs=True)
     try:
         TorchSampler(model).generate(PROMPTS[:3], [1, 3, 6], temperature=1.0)
     finally:
@@ -285,3 +287,39 @@ def test_training_mode_is_restored(model):
 def test_vllm_is_imported_lazily():
     code = "import sys; import nanoagent.sampler; assert 'vllm' not in sys.modules"
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_static_shapes_sample_what_the_eager_loop_samples(model):
+    # The CUDA path (fixed shapes, finished rows kept in place until the live ones fit a smaller bucket, the whole
+    # cache attended under a mask) run eagerly on the CPU, against the default CPU loop: a GRPO group, stop tokens,
+    # per-row limits, then a next turn from the kept cache. Temperature 0.2: see the per-row seeds test.
+    prompts = [PROMPTS[1], PROMPTS[0], PROMPTS[1], PROMPTS[3], PROMPTS[2], PROMPTS[0]]
+    limits, seeds = [20, 3, 11, 17, 9, 6], [1, 2, 3, 4, 5, 6]
+    stop = TorchSampler(model).generate(prompts[:1], 20, temperature=0.2, seed=1)[0].token_ids[12]  # row 0 stops
+    samplers = [TorchSampler(model, static_shapes=static) for static in (False, True)]
+    turns = [[sampler.generate(prompts, limits, temperature=0.2, stop_token_ids=[stop], seed=seeds)
+              for sampler in samplers]]
+    assert {generation.finish_reason for generation in turns[0][0]} == {"stop", "length"}
+    second_turn = [prompt + generation.token_ids + [200] for prompt, generation in zip(prompts, turns[0][0])]
+    turns.append([sampler.generate(second_turn, 9, temperature=0.2, seed=[7, 8, 9, 10, 11, 12])
+                  for sampler in samplers])
+    assert samplers[0].saved.keys() == samplers[1].saved.keys()
+    for eager, static in turns:
+        for a, b in zip(eager, static):
+            assert (a.token_ids, a.finish_reason) == (b.token_ids, b.finish_reason)
+            assert torch.allclose(torch.tensor(a.logprobs), torch.tensor(b.logprobs), atol=1e-5)
+
+
+def test_static_shapes_pad_to_power_of_two_buckets_and_read_back_every_8_steps(model):
+    calls = []
+    hook = model.register_forward_pre_hook(lambda module, args, kwargs: calls.append(kwargs["attention_mask"].shape),
+                                           with_kwargs=True)
+    try:
+        generations = TorchSampler(model, static_shapes=True).generate(PROMPTS[:3] * 2, [1, 3, 5, 9, 20, 30], 1.0)
+    finally:
+        hook.remove()
+    assert [len(generation.token_ids) for generation in generations] == [1, 3, 5, 9, 20, 30]
+    # The live rows are read back after tokens 8, 16, 24: 3 live after 8 (a bucket of 4: one slot pads), 2 after 16,
+    # 1 after 24. Every decode step attends to the whole cache, 20 + 30 columns wide (the longest prompt, the limit).
+    assert [shape[0] for shape in calls[1:]] == [6] * 7 + [4] * 8 + [2] * 8 + [1] * 6
+    assert {tuple(shape[1:]) for shape in calls[1:]} == {(1, 1, 20 + 30)}
