@@ -292,18 +292,23 @@ class TorchSampler:
                stop_token_ids, prefix_width, keep_finished):
         """Make the Generations of finished `slots` (a row ends at its first stop token or its limit), and keep
         their keys and values for the next call: the prompt and every sampled token but the last."""
-        rows = state["row"][slots]
-        for slot, row, tokens, logprobs in zip(slots.tolist(), rows.tolist(), sampled[rows].tolist(),
-                                               sampled_logprobs[rows].tolist()):
+        rows, columns, kept = state["row"][slots], [], []  # per row: its cache columns, its saved token tuple
+        for row, tokens, logprobs, prefix in zip(rows.tolist(), sampled[rows].tolist(), sampled_logprobs[rows].tolist(),
+                                                 state["mask"][slots, :prefix_width].tolist()):
             length = next((index + 1 for index, token in enumerate(tokens[:max_new_tokens[row]])
                            if token in stop_token_ids), max_new_tokens[row])
             generations[row] = Generation(tokens[:length], logprobs[:length],
                                           "stop" if tokens[length - 1] in stop_token_ids else "length")
-            if keep_finished:
-                columns = torch.cat([state["mask"][slot, :prefix_width].nonzero().squeeze(1),
-                                     torch.arange(prefix_width, prefix_width + length - 1, device=slots.device)])
-                self.saved[tuple(prompts[row]) + tuple(tokens[:length - 1])] = [
-                    (layer.keys[slot][:, columns], layer.values[slot][:, columns]) for layer in cache.layers]
+            columns.append([column for column, seen in enumerate(prefix) if seen]
+                           + list(range(prefix_width, prefix_width + length - 1)))
+            kept.append(tuple(prompts[row]) + tuple(tokens[:length - 1]))
+        if keep_finished and kept:  # one gather per layer for all these rows (not one per row and layer)
+            index = pad_sequence([torch.tensor(row) for row in columns], batch_first=True).to(slots.device)  # (n, L)
+            gathered = [[states[slots[:, None], :, index].transpose(1, 2) for states in (layer.keys, layer.values)]
+                        for layer in cache.layers]  # per layer (keys, values), each (n, H, L, d)
+            for number, (tokens, row_columns) in enumerate(zip(kept, columns)):
+                self.saved[tokens] = [(keys[number, :, :len(row_columns)], values[number, :, :len(row_columns)])
+                                      for keys, values in gathered]
 
     @staticmethod
     def graphed(function):
