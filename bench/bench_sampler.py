@@ -25,6 +25,13 @@ machine are steadier that way):
     python bench/bench_sampler.py --shape qwen0.5b --layers 4 --num-prompts 16 --max-new-tokens 32
     python bench/bench_sampler.py --batch-size 32 --threads 2
     python bench/bench_sampler.py --device cuda
+
+At Qwen2.5-0.5B's exact shape on a GPU (bench/gpu_speed.sh runs this): --shape qwen0.5b --layers 24
+--vocab-size 151936 --dtype bfloat16 --prompt-lengths 200 400 --num-prompts 64 512 --max-new-tokens 256 128
+--workloads "fixed length" --generate-static (model.generate with a static cache, which transformers compiles
+on CUDA) --baseline-sampler FILE (the TorchSampler of another sampler.py, an earlier commit's, timed beside
+this one). Each size also prints the memory roofline: the tokens/s if a decode step only read the weights and
+the KV cache once, at the bandwidth a large copy reaches on the device.
 """
 
 import argparse
