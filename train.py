@@ -42,7 +42,8 @@ import envs
 import masks
 import rollout
 import sft
-from nanoagent.checkpoint import latest_checkpoint, load_trainer_state, load_training_states, save_checkpoint
+from nanoagent.checkpoint import (finish_checkpoint, latest_checkpoint, load_trainer_state, load_training_states,
+                                  save_checkpoint)
 from nanoagent.common import (UserError, autodetect_device_type, autodetect_dtype, compute_cleanup, compute_init,
                               get_dist_info, print0, rng_state, seed_everything, set_rng_state)
 from nanoagent.lora import add_lora
@@ -209,6 +210,7 @@ class Run:
     start_step: int
     share_prompts: bool  # a group's members share their prompt's forward pass (shared_prompt_hidden)
     logger: object = None  # a wandb run, on rank 0 when --wandb
+    saving: object = None  # the checkpoint being written in the background (save_checkpoint's Future)
     run_start: float = dataclasses.field(default_factory=time.time)
 
 
@@ -517,7 +519,8 @@ def end_of_step(run, args, step, trajectories, kept, scored, shares, overall, pr
     progress.set_postfix(reward=f"{metrics['reward']:.2f}", success=f"{metrics['success']:.2f}",
                          eval=f"{metrics.get('eval_success', float('nan')):.2f}")
     if (step + 1) % args.save_every == 0 or step + 1 == args.steps:  # every rank: gathers and optimizer shards
-        save_checkpoint(run.out_dir, step + 1, run.policy, run.tokenizer, critic=run.critic,
+        finish_checkpoint(run.saving)  # one save at a time: the previous one is written (in the background)
+        run.saving = save_checkpoint(run.out_dir, step + 1, run.policy, run.tokenizer, critic=run.critic,
                         optimizers=run.optimizers, trainer_state={
                             "step": step + 1, "rng": gather_objects([rng_state()]), "history": run.history,
                             "args": vars(args), "control": run.control, "reference": run.reference_path})
@@ -785,6 +788,7 @@ def main(argv=None):
         # 7. Log, watch, evaluate, checkpoint; keep one group's trajectories as the update scored them.
         scored = dict(batch, trajectories=kept[mine], old_logprobs=old_logprobs, advantages=advantages)
         end_of_step(run, args, step, trajectories, kept, scored, shares, overall, probe, progress)
+    finish_checkpoint(run.saving)  # the last checkpoint is in place before the run says it is done
     print0(f"done: {args.steps} steps in {time.time() - run.run_start:.0f}s; checkpoints in {run.out_dir}")
     if args.sampler == "vllm":
         run.sampler.close()  # before compute_cleanup: the engine's process groups go first

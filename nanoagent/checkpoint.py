@@ -15,15 +15,19 @@ the size), each tied parameter once; training's fp32 master weights go to optimi
 so `--resume` continues from them exactly. Those shards load back on another number of ranks (or into one
 unsharded process).
 A save goes to a temporary directory, is flushed to disk, and only then is renamed into place, so a process
-killed mid-save (or a full disk) leaves the earlier checkpoints as they were.
+killed mid-save (or a full disk) leaves the earlier checkpoints as they were. A checkpoint is written while
+training goes on: save_checkpoint takes CPU copies of what it holds (its only time on the training's path) and
+a background thread writes them; the next save and the end of training wait for it (finish_checkpoint).
 """
 
-import contextlib
+import copy
+import functools
 import json
 import os
 import shutil
 import tempfile
 import warnings
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch
@@ -37,6 +41,9 @@ from nanoagent.lora import save_adapter
 from nanoagent.parallel import full_state_dict, is_sharded
 
 MANIFEST = "manifest.json"
+# torch.distributed.checkpoint warns at every save and load that no process group is up: without torchrun that is
+# the plan (no_dist=True). A filter for good, as the background thread's saves warn after any `with` has ended.
+warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
 
 
 def fsync_tree(directory):
@@ -50,14 +57,11 @@ def fsync_tree(directory):
         os.close(descriptor)
 
 
-def save_atomically(path, save_fn, all_ranks=False):
-    """Call save_fn(tmp_dir) on a temporary sibling of `path`, flush it, then rename it to `path`. all_ranks:
-    every rank calls this and runs save_fn, into the one directory rank 0 made; rank 0 renames it at the end."""
-    path = Path(path)
-    collective = all_ranks and is_sharded()
-    master = not collective or dist.get_rank() == 0
+def temporary_sibling(path, collective=False):
+    """A new empty directory beside `path` to write it in (a killed process's leftovers removed). collective:
+    every rank calls this and gets the one directory rank 0 made."""
     tmp = None
-    if master:
+    if not collective or dist.get_rank() == 0:
         path.parent.mkdir(parents=True, exist_ok=True)
         for stale in path.parent.glob(f".{path.name}.tmp*"):  # left by a process killed while saving this path
             shutil.rmtree(stale, ignore_errors=True)
@@ -66,18 +70,26 @@ def save_atomically(path, save_fn, all_ranks=False):
         shared = [tmp]
         dist.broadcast_object_list(shared, src=0)
         tmp = shared[0]
+    return tmp
+
+
+def move_into_place(tmp, path):
+    """Flush the directory tmp to disk, then rename it to `path`, replacing an older one."""
+    fsync_tree(tmp)
+    if path.exists():
+        shutil.rmtree(path)
+    os.replace(tmp, path)
+
+
+def save_atomically(path, save_fn):
+    """Call save_fn(tmp_dir) on a temporary sibling of `path`, flush it, then rename it to `path`."""
+    path = Path(path)
+    tmp = temporary_sibling(path)
     try:
         save_fn(tmp)
-        fsync_tree(tmp)
-        if collective:
-            dist.barrier()  # every rank's files are written and flushed
-        if master:
-            if path.exists():
-                shutil.rmtree(path)
-            os.replace(tmp, path)
+        move_into_place(tmp, path)
     finally:
-        if master:
-            shutil.rmtree(tmp, ignore_errors=True)
+        shutil.rmtree(tmp, ignore_errors=True)
     return path
 
 
@@ -89,55 +101,71 @@ def file_sizes(directory):
 
 
 def save_checkpoint(out_dir, step, policy, tokenizer, trainer_state, critic=None, optimizers=None):
-    """Write out_dir/step_{step:06d} as the module docstring lays it out; returns its path. optimizers:
-    {name: (model, optimizer)}. Under a process group every rank calls it (the gathers and the optimizer
-    shards are collective). A failed write (a full disk) raises UserError."""
+    """Start writing out_dir/step_{step:06d} as the module docstring lays it out; returns a Future for
+    finish_checkpoint. optimizers: {name: (model, optimizer)}. Under a process group every rank calls it (the
+    gathers and the optimizer shards are collective). What the files hold is copied to CPU memory now, so the
+    training that goes on does not change it; rank 0 writes the rest once every rank's shards are written."""
     out_dir = Path(out_dir)
-    master = not is_sharded() or dist.get_rank() == 0
+    path, master = out_dir / f"step_{step:06d}", not is_sharded() or dist.get_rank() == 0
+    tmp = temporary_sibling(path, collective=is_sharded())
+    exports = [(model, subdirectory, full_state_dict(model, model.stored_dtype))  # the dtype it came in (models.built)
+               for model, subdirectory in ((policy, tmp), (critic, tmp / "critic")) if model is not None]
+    for model, subdirectory, _ in exports:
+        if hasattr(model, "peft_config"):  # --lora_rank: the adapter alone too (the export is merged); small
+            save_adapter(model, subdirectory / "adapter", master)
+    # The shards are staged in CPU memory now and written by dcp's own thread, its collectives on a group of
+    # their own: the training's collectives run on the default group meanwhile (two threads' calls on one group
+    # would interleave).
+    shards = dcp.async_save(training_states(optimizers), checkpoint_id=tmp / "optimizer", no_dist=not is_sharded(),
+                            process_group=background_group() if is_sharded() else None) if optimizers else None
+    trainer_state = copy.deepcopy(trainer_state)  # the history grows at the next step
 
-    def save(directory):
-        for model, subdirectory in ((policy, directory), (critic, directory / "critic")):
-            if model is not None:
-                dtype = model.stored_dtype  # the dtype its checkpoint came in (models.built records it)
-                state_dict = full_state_dict(model, dtype)  # every rank takes part; rank 0 holds the result
-                if master:  # save_pretrained writes the fp32 masters' dtype into config.json, and FSDP's class name
+    def write():
+        try:
+            if shards:
+                shards.result()  # every rank's shards are written: the coordinator gathers their results last
+            if master:  # save_pretrained writes the fp32 masters' dtype into config.json, and FSDP's class name
+                for model, subdirectory, state_dict in exports:
                     model.save_pretrained(subdirectory, state_dict=state_dict)
                     config_file = subdirectory / "config.json"
                     config = json.loads(config_file.read_text())
-                    config.update(dtype=str(dtype).removeprefix("torch."),
+                    config.update(dtype=str(model.stored_dtype).removeprefix("torch."),
                                   architectures=[type(model).__name__.removeprefix("FSDP")])
                     config_file.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
-                if hasattr(model, "peft_config"):  # --lora_rank: the adapter alone too (the export above is merged)
-                    save_adapter(model, subdirectory / "adapter", master)
-        if optimizers:  # collective: when it returns, every rank's shards are written
-            with single_process_quiet():
-                states = training_states(optimizers)
-                dcp.save(states, checkpoint_id=directory / "optimizer", no_dist=not is_sharded())
-        if master:
-            tokenizer.save_pretrained(directory)
-            torch.save(trainer_state, directory / "trainer_state.pt")
-            (directory / MANIFEST).write_text(json.dumps({"step": step, "files": file_sizes(directory)}, indent=1))
+                tokenizer.save_pretrained(tmp)
+                torch.save(trainer_state, tmp / "trainer_state.pt")
+                (tmp / MANIFEST).write_text(json.dumps({"step": step, "files": file_sizes(tmp)}, indent=1))
+                move_into_place(tmp, path)
+        except OSError as error:
+            previous = latest_checkpoint(out_dir)
+            intact = (f"the newest complete checkpoint, {previous.name}, is intact" if previous
+                      else "no earlier checkpoint exists")
+            raise UserError(f"could not write the checkpoint of step {step} in {out_dir} ({error}); {intact}: "
+                            "make room (or fix the directory) and continue with --resume") from error
+        finally:
+            if master:
+                shutil.rmtree(tmp, ignore_errors=True)
+        return path
 
-    try:
-        path = save_atomically(out_dir / f"step_{step:06d}", save, all_ranks=True)
+    executor = ThreadPoolExecutor(max_workers=1)  # not a daemon: a process that ends (or fails) waits for it
+    saving = executor.submit(write)
+    executor.shutdown(wait=False)  # its thread ends with the write
+    return saving
+
+
+def finish_checkpoint(saving):
+    """Wait for save_checkpoint's Future (None: nothing to wait for); raise its UserError (a full disk). Every
+    rank calls it: before the next save (one at a time) and at the end of training."""
+    if saving is not None:
+        saving.result()
         if is_sharded():
-            dist.barrier()  # no rank goes on before this step's checkpoint is in place
-    except OSError as error:
-        previous = latest_checkpoint(out_dir)
-        intact = (f"the newest complete checkpoint, {previous.name}, is intact" if previous
-                  else "no earlier checkpoint exists")
-        raise UserError(f"could not write the checkpoint of step {step} in {out_dir} ({error}); {intact}: "
-                        "make room (or fix the directory) and continue with --resume") from error
-    return path
+            dist.barrier()  # no rank goes on before the checkpoint is in place
 
 
-@contextlib.contextmanager
-def single_process_quiet():
-    """Silence torch.distributed.checkpoint's warning that no process group is up: without torchrun that is
-    the plan (no_dist=True), and it would print at every checkpoint."""
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
-        yield
+@functools.cache
+def background_group():
+    """A gloo group of every rank for the background saves' collectives (on CPU, whatever the default's backend)."""
+    return dist.new_group(backend="gloo")
 
 
 def training_states(optimizers):
@@ -151,8 +179,7 @@ def load_training_states(path, optimizers):
     """Restore the fp32 master weights and the optimizers saved with a checkpoint, resharded to this run's ranks
     (any number of them). optimizers: {name: (model, optimizer)} as for save_checkpoint, the models sharded."""
     states = training_states(optimizers)
-    with single_process_quiet():
-        dcp.load(states, checkpoint_id=Path(path) / "optimizer", no_dist=not is_sharded())  # in place, into the shards
+    dcp.load(states, checkpoint_id=Path(path) / "optimizer", no_dist=not is_sharded())  # in place, into the shards
     for name, (model, optimizer) in optimizers.items():
         set_model_state_dict(model, states[name]["weights"])
         set_optimizer_state_dict(model, optimizer, states[name]["optimizer"])

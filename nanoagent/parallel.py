@@ -145,10 +145,12 @@ def full_weights(model, dtype=None):
 def full_state_dict(model, dtype=None):
     """The whole state dict on CPU on rank 0 ({} on other ranks), in dtype if given, gathered parameter by
     parameter, a tied parameter once under its first name, as save_pretrained writes it: it drops a tied copy
-    only when it sees the tie, which it does not in gathered tensors (a sharded model's would be stored twice)."""
+    only when it sees the tie, which it does not in gathered tensors (a sharded model's would be stored twice).
+    Copies, even of a CPU model's tensors: a checkpoint writes them in the background while training goes on."""
     master = not is_sharded() or dist.get_rank() == 0
     owned = {base_name(name) for name, _ in [*model.named_parameters(), *model.named_buffers()]}
-    return {name: tensor.cpu() for name, tensor in full_weights(model, dtype) if master and name in owned}
+    return {name: tensor.to("cpu", copy=True)
+            for name, tensor in full_weights(model, dtype) if master and name in owned}
 
 
 def clip_gradients(model, max_norm):

@@ -592,25 +592,36 @@ def test_an_unwritable_out_dir_and_a_model_without_weights_are_clear_errors(tmp_
 FAULTS = BANDIT + ["--save_every", "2"]
 # Runs train.main in a subprocess that kills itself (SIGKILL: no clean-up runs) at a chosen moment.
 DYING_RUN = """
-import os, signal, sys
+import os, signal, sys, threading
 import torch
 import train
 where, at, argv = sys.argv[1], int(sys.argv[2]), sys.argv[3:]
 calls, original_loss, original_save = {"step": 0, "save": 0}, train.policy_loss, torch.save
+original_checkpoint, next_update = train.save_checkpoint, threading.Event()
+def save_checkpoint(*args, **kwargs):  # keep the save being written in the background
+    calls["saving"] = original_checkpoint(*args, **kwargs)
+    return calls["saving"]
 def policy_loss(*args, **kwargs):  # one call per step here: die inside step `at`'s update
     calls["step"] += 1
     if where == "step" and calls["step"] == at:
+        calls["saving"].result()  # once the step before's checkpoint is written: it may still be writing it
         os.kill(os.getpid(), signal.SIGKILL)
+    if calls["step"] == at + 1:
+        next_update.set()
     return original_loss(*args, **kwargs)
 def save(state, path, *args, **kwargs):  # die halfway through writing the `at`-th trainer state
-    if where == "save" and str(path).endswith("trainer_state.pt"):
+    if where in ("save", "async") and str(path).endswith("trainer_state.pt"):
         calls["save"] += 1
         if calls["save"] == at:
+            # async: in the background, once training has gone on to the next step's update (a save that held
+            # training up would never see it: exit 3)
+            if where == "async" and not next_update.wait(timeout=300):
+                os._exit(3)
             with open(path, "wb") as handle:
                 handle.write(b"half a checkpoint")
             os.kill(os.getpid(), signal.SIGKILL)
     return original_save(state, path, *args, **kwargs)
-train.policy_loss, torch.save = policy_loss, save
+train.policy_loss, torch.save, train.save_checkpoint = policy_loss, save, save_checkpoint
 train.main(argv)
 """
 
@@ -633,17 +644,18 @@ def assert_resumes_like_the_unbroken_run(out_dir, unbroken_run):
     assert logged == steps == [1, 2, 3, 4]  # no step missing, none twice
 
 
-@pytest.mark.parametrize("where, at", [("step", 3), ("save", 2)])
-def test_a_run_killed_mid_step_or_mid_save_resumes_exactly(tmp_path, unbroken_run, single_thread, where, at):
+# Killed in step 3, or while writing step 4's checkpoint, or step 3's (every step saved) while step 4 trains.
+@pytest.mark.parametrize("where, at, flags", [("step", 3, []), ("save", 2, []), ("async", 3, ["--save_every", "1"])])
+def test_a_run_killed_mid_step_or_mid_save_resumes_exactly(tmp_path, unbroken_run, single_thread, where, at, flags):
     out_dir = tmp_path / "run"
     train.warm_up(train.get_args(FAULTS))  # cached by the fixture's run: the subprocess only reads it
-    result = subprocess.run([sys.executable, "-c", DYING_RUN, where, str(at), *FAULTS, "--steps", "4",
+    result = subprocess.run([sys.executable, "-c", DYING_RUN, where, str(at), *FAULTS, *flags, "--steps", "4",
                              "--out_dir", str(out_dir)],
                             capture_output=True, text=True, cwd=REPO, timeout=600,
                             env=dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1"))
     assert result.returncode == -signal.SIGKILL, result.stderr[-3000:]
-    # Killed in step 3, or while writing step 4's checkpoint: step 2's checkpoint is the newest complete one.
-    assert latest_checkpoint(out_dir).name == "step_000002"
+    # Step 2's checkpoint is the newest complete one; a half-written one is not in place.
+    assert latest_checkpoint(out_dir).name == max(out_dir.glob("step_*")).name == "step_000002"
     assert_resumes_like_the_unbroken_run(out_dir, unbroken_run)
 
 
@@ -662,13 +674,13 @@ def test_a_corrupted_checkpoint_is_skipped_for_the_one_before(tmp_path, unbroken
 def test_a_full_disk_keeps_the_previous_checkpoint_and_stops_with_a_clear_error(tmp_path, unbroken_run, single_thread,
                                                                               monkeypatch):
     out_dir = tmp_path / "run"
-    original = train.save_checkpoint.__globals__["save_atomically"]
+    original = train.save_checkpoint.__globals__["move_into_place"]
 
-    def full_disk(path, save_fn, **options):
+    def full_disk(tmp, path):
         if path.name == "step_000004":
             raise OSError(errno.ENOSPC, "No space left on device")
-        return original(path, save_fn, **options)
-    monkeypatch.setitem(train.save_checkpoint.__globals__, "save_atomically", full_disk)
+        return original(tmp, path)
+    monkeypatch.setitem(train.save_checkpoint.__globals__, "move_into_place", full_disk)
     with pytest.raises(UserError, match="No space left on device.*step_000002, is intact.*--resume"):
         train.main(FAULTS + ["--steps", "4", "--out_dir", str(out_dir)])
     monkeypatch.undo()
