@@ -249,7 +249,9 @@ def step_parts(profile):
         (train, "kept_group", nested("trajectories kept (kept_group)")),
         (train, "append_jsonl", nested("write metrics and trajectories (append_jsonl)")),
         (train, "evaluate_held_out", nested("held-out eval (evaluate_held_out)")),
-        (train, "save_checkpoint", nested("checkpoint (save_checkpoint)")),
+        (train, "save_checkpoint", nested("checkpoint: CPU copies, written in the background (save_checkpoint)")),
+        (train, "finish_checkpoint", lambda *args, **kwargs: "wait for the previous checkpoint (finish_checkpoint)"
+         if profile["stack"] else "end of run: wait for the last checkpoint's write (finish_checkpoint)"),
     ]
 
 
