@@ -52,6 +52,7 @@ from nanoagent.parallel import (clip_gradients, forward_through_root, gather_obj
                                 sum_over_ranks, sums_over_ranks)
 from nanoagent.report import TRAJECTORIES, append_jsonl, trajectory_records
 from nanoagent.sampler import TorchSampler
+from nanoagent.serve import Server
 
 # -----------------------------------------------------------------------------
 # Flags
@@ -85,6 +86,9 @@ def get_args(argv=None):
     add("--retriever", help="search_qa: search a shared corpus, an index directory "
         "(python -m nanoagent.retrieval build) or a server URL http://host:port/retrieve")
     add("--max_turns", type=int, default=4)
+    add("--agent", help="a program that plays one episode through an OpenAI-compatible endpoint instead of --env, "
+        "e.g. 'python examples/multihop_agent.py' (nanoagent/serve.py: its environment and how it reports)")
+    add("--agent_timeout", type=float, default=300, help="--agent: seconds a step's programs may run, then killed")
     # Rollout
     add("--prompts_per_step", type=int, default=8, help="env seeds per step, over all ranks")
     add("--group_size", type=int, default=8, help="samples per seed (a GRPO group)")
@@ -211,6 +215,7 @@ class Run:
     share_prompts: bool  # a group's members share their prompt's forward pass (shared_prompt_hidden)
     logger: object = None  # a wandb run, on rank 0 when --wandb
     saving: object = None  # the checkpoint being written in the background (save_checkpoint's Future)
+    server: Server | None = None  # --agent: the endpoint its programs talk to, serving the sampler
     run_start: float = dataclasses.field(default_factory=time.time)
 
 
@@ -287,6 +292,9 @@ def set_up(args):
     if trainer_state is not None:  # the sampler read the checkpoint's export (bf16 for Qwen2.5): give it the masters
         sampler.update_weights(policy, dtype)
     make_env = envs.env_factory(args.env, args.env_options, data=args.data, split="train")
+    # The programs sample at the temperature the update scores at, whatever they ask for.
+    server = (Server(sampler, tokenizer, args.max_new_tokens, args.max_total_tokens, args.temperature)
+              if args.agent else None)
     check_prompts_fit(make_env, tokenizer, args)
     logger = None
     if args.wandb and master:
@@ -306,9 +314,10 @@ def set_up(args):
     run = Run(rank=rank, world_size=world_size, device=device, dtype=dtype, out_dir=out_dir, policy=policy,
               critic=critic, reference=reference, reference_path=str(reference_path), tokenizer=tokenizer,
               sampler=sampler, make_env=make_env, optimizers=optimizers, history=history, control=control,
-              start_step=trainer_state["step"] if trainer_state else 0, share_prompts=share_prompts, logger=logger)
+              start_step=trainer_state["step"] if trainer_state else 0, share_prompts=share_prompts, logger=logger,
+              server=server)
     if args.eval_every > 0 and run.start_step == 0:
-        history.append({"step": 0, **evaluate_held_out(sampler, tokenizer, args, rank, world_size, device)})
+        history.append({"step": 0, **evaluate_held_out(sampler, tokenizer, args, rank, world_size, device, server)})
         print0(f"step 0 | held-out success {history[-1]['eval_success']:.3f}")
     if master:  # the log restarts from the history: a resumed run drops the steps after its checkpoint
         (out_dir / "metrics.jsonl").write_text("".join(json.dumps(metrics) + "\n" for metrics in history))
@@ -496,7 +505,8 @@ def end_of_step(run, args, step, trajectories, kept, scored, shares, overall, pr
                "lr": run.control["lr"], "filter_ratio": run.control["filter_ratio"],
                "elapsed_s": time.time() - run.run_start}
     if args.eval_every > 0 and ((step + 1) % args.eval_every == 0 or step + 1 == args.steps):
-        metrics.update(evaluate_held_out(run.sampler, run.tokenizer, args, run.rank, run.world_size, run.device))
+        metrics.update(evaluate_held_out(run.sampler, run.tokenizer, args, run.rank, run.world_size, run.device,
+                                         run.server))
     run.history.append(metrics)
     metrics.update({f"{key}_change": recent_change(run.history, key) for key in ("response_tokens", "turns")})
     warnings = echo_trap_warnings([h for h in run.history if "grad_norm" in h])
@@ -534,12 +544,16 @@ def kept_group(tokenizer, step, scored):
                               scored["advantages"][rows].tolist(), scored["old_logprobs"][rows].tolist())
 
 
-def evaluate_held_out(sampler, tokenizer, args, rank=0, world_size=1, device="cpu"):
-    """Held-out success rate and mean score, sampled at the training temperature, over all ranks."""
+def evaluate_held_out(sampler, tokenizer, args, rank=0, world_size=1, device="cpu", server=None):
+    """Held-out success rate and mean score, sampled at the training temperature, over all ranks; with a
+    `server`, the --agent program plays the episodes (one that fails is left out)."""
     make_env = envs.env_factory(args.env, args.env_options, data=args.data, split="validation")
     seeds = list(envs.eval_seeds(args.eval_episodes))[rank::world_size]  # search_qa: rows of the validation split
-    trajectories = rollout.rollout(sampler, tokenizer, make_env, seeds, 1, args.max_turns, args.max_new_tokens,
-                                   args.max_total_tokens, temperature=args.temperature, sample_seed=args.seed + 1)
+    if server is not None:
+        trajectories = server.play(args.agent, seeds, 1, args.agent_timeout, sample_seed=args.seed + 1)
+    else:
+        trajectories = rollout.rollout(sampler, tokenizer, make_env, seeds, 1, args.max_turns, args.max_new_tokens,
+                                       args.max_total_tokens, temperature=args.temperature, sample_seed=args.seed + 1)
     successes, score, count = sums_over_ranks([sum(t.info["success"] for t in trajectories),
                                                sum(t.score for t in trajectories), len(trajectories)], device)
     return {"eval_success": successes / count, "eval_score": score / count}
@@ -673,10 +687,14 @@ def main(argv=None):
         # 1. Rollout: this rank's env seeds for this step (train seeds, never the eval range).
         first_seed = (step * args.prompts_per_step + rank * prompts_per_rank) % envs.EVAL_SEED_START
         seeds = [first_seed + i for i in range(prompts_per_rank)]
-        trajectories = rollout.rollout(run.sampler, run.tokenizer, run.make_env, seeds, args.group_size,
-                                       args.max_turns, args.max_new_tokens, args.max_total_tokens,
-                                       temperature=args.temperature, sample_seed=args.seed * 1_000_003 + step,
-                                       truncated_reward=args.truncated_reward)
+        if args.agent:  # or the user's program plays them, each G times, through the endpoint that records them
+            trajectories = run.server.play(args.agent, seeds, args.group_size, args.agent_timeout,
+                                           sample_seed=args.seed * 1_000_003 + step)
+        else:
+            trajectories = rollout.rollout(run.sampler, run.tokenizer, run.make_env, seeds, args.group_size,
+                                           args.max_turns, args.max_new_tokens, args.max_total_tokens,
+                                           temperature=args.temperature, sample_seed=args.seed * 1_000_003 + step,
+                                           truncated_reward=args.truncated_reward)
         # Every rank's trajectories, in seed order: the step's whole batch, its groups numbered over all ranks.
         trajectories = gather_objects([dataclasses.replace(t, group_id=rank * prompts_per_rank + t.group_id)
                                        for t in trajectories])

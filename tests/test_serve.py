@@ -1,0 +1,250 @@
+"""nanoagent/serve.py with the real `openai` client against a real server on localhost: token-exact trajectories,
+tool calls, batching of concurrent conversations, OpenAI-style errors, episodes played by outside programs."""
+
+import http.client
+import json
+import socket
+import sys
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import openai
+import pytest
+import torch
+
+import tools
+from nanoagent.common import UserError
+from nanoagent.models import tiny_model, tiny_tokenizer
+from nanoagent.report import trajectory_records
+from nanoagent.sampler import TorchSampler
+from nanoagent.serve import Server
+from rollout import encode_chat, observation_tokens, render
+from tests.test_rollout import REPLIES, ScriptedSampler, scripted_replies
+
+EXAMPLE_AGENT = Path(__file__).resolve().parent.parent / "examples" / "multihop_agent.py"
+CALCULATOR = [tools.calculator_tool().schema()]
+OPENING = [{"role": "system", "content": "Use the calculator."}, {"role": "user", "content": "What is 3 + 4?"}]
+
+
+class Recording:
+    """A sampler that keeps every call's prompts, generations and batch size."""
+
+    def __init__(self, sampler):
+        self.sampler, self.calls = sampler, []
+
+    def generate(self, prompts, max_new_tokens, **options):
+        generations = self.sampler.generate(prompts, max_new_tokens, **options)
+        self.calls.append(([list(prompt) for prompt in prompts], generations))
+        return generations
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    tokenizer = tiny_tokenizer()
+    return tiny_model(tokenizer, seed=0), tokenizer
+
+
+def serving(sampler, tokenizer, **options):
+    server = Server(sampler, tokenizer, max_new_tokens=options.pop("max_new_tokens", 100),
+                    max_total_tokens=options.pop("max_total_tokens", 1000), **options)
+    return server, openai.OpenAI(base_url=f"{server.url}/v1", api_key="none", max_retries=0)
+
+
+def test_tool_calls_come_back_as_openai_tool_calls_and_the_trajectory_is_the_sampled_tokens():
+    tokenizer = tiny_tokenizer()
+    replies = scripted_replies(tokenizer)  # a tool call, "Let me think.", an answer: each ends with <|im_end|>
+    sampler = Recording(ScriptedSampler(tokenizer, replies))
+    server, client = serving(sampler, tokenizer)
+    messages = list(OPENING)
+    first = client.chat.completions.create(model="m", messages=messages, tools=CALCULATOR)
+    choice = first.choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.content is None
+    assert [(call.function.name, json.loads(call.function.arguments)) for call in choice.message.tool_calls] == [
+        ("calculator", {"expression": "3 + 4"})]
+    messages += [choice.message, {"role": "tool", "tool_call_id": choice.message.tool_calls[0].id, "content": "7"}]
+    second = client.chat.completions.create(model="m", messages=messages, tools=CALCULATOR)
+    assert second.choices[0].message.content == REPLIES[1] and second.choices[0].finish_reason == "stop"
+    messages += [second.choices[0].message, {"role": "user", "content": "Please answer."}]
+    third = client.chat.completions.create(model="m", messages=messages, tools=CALCULATOR, extra_body={"top_k": 5})
+    assert third.choices[0].message.content == REPLIES[2]
+    [conversation] = server.take("")
+    server.close()
+    trajectory = conversation.trajectory
+    # The template's rendering of the conversation with the sampled texts: rollout()'s tokens for the same turns.
+    rendered = render(tokenizer, OPENING + [{"role": "assistant", "content": REPLIES[0]},
+                                            {"role": "tool", "content": "7"},
+                                            {"role": "assistant", "content": REPLIES[1]},
+                                            {"role": "user", "content": "Please answer."},
+                                            {"role": "assistant", "content": REPLIES[2]}], CALCULATOR)
+    assert trajectory.token_ids == tokenizer.encode(rendered[:-1], add_special_tokens=False)
+    assert trajectory.prompt_length == len(encode_chat(tokenizer, OPENING, CALCULATOR, add_generation_prompt=True))
+    mask = torch.tensor(trajectory.action_mask)
+    assert torch.tensor(trajectory.token_ids)[mask == 1].tolist() == [t for ids, _ in replies for t in ids]
+    for turn, (prompts, generations) in enumerate(sampler.calls):  # each turn's prompt: the tokens so far, as kept
+        assert prompts == [trajectory.token_ids[:len(prompts[0])]]
+        end = trajectory.turn_end_positions[turn] + 1
+        assert trajectory.token_ids[end - len(generations[0].token_ids):end] == generations[0].token_ids
+        assert trajectory.logprobs[end - len(generations[0].token_ids):end] == generations[0].logprobs
+    assert sum(trajectory.action_mask) == sum(len(ids) for ids, _ in replies) and trajectory.num_turns == 3
+    assert trajectory.turn_infos[0]["calls"] == [{"name": "calculator", "arguments": {"expression": "3 + 4"},
+                                                  "error": None}]
+    record = trajectory_records([trajectory], tokenizer, 0)[0]  # what the report reads
+    assert [turn["text"] for turn in record["turns"]] == REPLIES and record["turns"][0]["answers"] == ["7"]
+
+
+def test_the_trajectory_holds_exactly_what_the_torch_sampler_returned(tiny):
+    model, tokenizer = tiny
+    sampler = Recording(TorchSampler(model))
+    server, client = serving(sampler, tokenizer, max_new_tokens=12)
+    messages = list(OPENING)
+    for turn in range(3):
+        reply = client.chat.completions.create(model="m", messages=messages, tools=CALCULATOR, seed=turn)
+        messages += [reply.choices[0].message, {"role": "user", "content": f"Go on {turn}."}]
+    [conversation] = server.take("")
+    server.close()
+    trajectory, position = conversation.trajectory, 0
+    for turn, (prompts, generations) in enumerate(sampler.calls):
+        [prompt], [generation] = prompts, generations
+        assert prompt == trajectory.token_ids[:len(prompt)]  # the history as sampled: never re-encoded
+        if turn:  # what came between two turns: the closing <|im_end|> of a cut turn and the new message, mask 0
+            closing = [] if sampler.calls[turn - 1][1][0].finish_reason == "stop" else [
+                tokenizer.convert_tokens_to_ids("<|im_end|>")]
+            between = closing + observation_tokens(tokenizer, [{"role": "user", "content": f"Go on {turn - 1}."}])
+            assert prompt[position:] == between and trajectory.action_mask[position:len(prompt)] == [0] * len(between)
+        end = len(prompt) + len(generation.token_ids)
+        assert trajectory.token_ids[len(prompt):end] == generation.token_ids
+        assert trajectory.logprobs[len(prompt):end] == generation.logprobs
+        assert trajectory.action_mask[len(prompt):end] == [1] * len(generation.token_ids)
+        position = end
+    assert position == len(trajectory.token_ids)
+
+
+def test_a_history_that_does_not_extend_the_sampled_one_starts_a_new_segment():
+    tokenizer = tiny_tokenizer()
+    server, client = serving(ScriptedSampler(tokenizer, scripted_replies(tokenizer)), tokenizer)
+    episode = openai.OpenAI(base_url=f"{server.url}/episodes/7/v1", api_key="none", max_retries=0)
+    first = episode.chat.completions.create(model="m", messages=OPENING, tools=CALCULATOR).choices[0].message
+    edited = [*OPENING, {"role": "assistant", "content": "I will just guess."}, {"role": "user", "content": "Go."}]
+    episode.chat.completions.create(model="m", messages=edited, tools=CALCULATOR)
+    client.chat.completions.create(model="m", messages=OPENING, tools=CALCULATOR)  # another conversation, not ep. 7's
+    segments = server.take("7")
+    assert [c.trajectory.info["segment"] for c in segments] == [0, 1] and first.tool_calls
+    assert segments[1].trajectory.prompt_length == len(encode_chat(tokenizer, edited, CALCULATOR,
+                                                                   add_generation_prompt=True))
+    assert len(server.take("")) == 1
+    server.close()
+
+
+def bad_request(client, code=None, **request):
+    with pytest.raises(openai.BadRequestError) as raised:
+        client.chat.completions.create(model="m", **{"messages": OPENING, **request})
+    assert raised.value.status_code == 400 and (code is None or raised.value.code == code)
+    return str(raised.value)
+
+
+def test_bad_requests_get_openai_errors_and_the_server_goes_on():
+    tokenizer = tiny_tokenizer()
+    server, client = serving(ScriptedSampler(tokenizer, scripted_replies(tokenizer)), tokenizer, max_total_tokens=400)
+    assert "stream" in bad_request(client, stream=True)
+    assert "n=2" in bad_request(client, n=2)
+    assert "unknown role" in bad_request(client, messages=[{"role": "wizard", "content": "hi"}])
+    assert "answers no tool call" in bad_request(client, messages=[*OPENING, {"role": "tool", "tool_call_id": "x",
+                                                                               "content": "7"}])
+    bad_request(client, code="context_length_exceeded", messages=[{"role": "user", "content": "many words " * 300}])
+    assert "tool_choice" in bad_request(client, tool_choice="required", tools=CALCULATOR)
+    connection = http.client.HTTPConnection("127.0.0.1", int(server.url.rsplit(":", 1)[1]))
+    connection.request("POST", "/v1/chat/completions", body=b'{"messages": [', headers={"Content-Type": "json"})
+    response = connection.getresponse()
+    assert response.status == 400 and json.loads(response.read())["error"]["code"] == "invalid_json"
+    whole = json.dumps({"messages": OPENING, "max_tokens": 3}).encode()
+    for payload in (b"POST /v1/chat/completions HTTP/1.1\r\nContent-Length: 500\r\n\r\n{\"messa",  # leaves mid-body
+                    b"POST /v1/chat/completions HTTP/1.1\r\nContent-Length: %d\r\n\r\n%s" % (len(whole), whole)):
+        with socket.create_connection(("127.0.0.1", int(server.url.rsplit(":", 1)[1]))) as raw:
+            raw.sendall(payload)
+    assert client.models.list().data[0].id == "nanoagent"
+    assert client.chat.completions.create(model="m", messages=OPENING, tools=CALCULATOR).choices[0].message.tool_calls
+    server.close()
+
+
+def test_64_concurrent_conversations_complete_in_shared_sampler_calls(tiny):
+    model, tokenizer = tiny
+    sampler = Recording(TorchSampler(model))
+    server, client = serving(sampler, tokenizer, max_new_tokens=8, window_s=0.2)
+
+    def conversation(index):
+        messages = [{"role": "user", "content": f"Question {index}?"}]
+        for turn in range(2):
+            reply = client.chat.completions.create(model="m", messages=messages, temperature=1.0)
+            messages += [reply.choices[0].message, {"role": "user", "content": "And?"}]
+        return reply
+
+    with ThreadPoolExecutor(64) as pool:
+        replies = list(pool.map(conversation, range(64)))
+    conversations = server.take("")
+    server.close()
+    assert len(replies) == 64 and len(conversations) == 64
+    assert all(c.trajectory.num_turns == 2 for c in conversations)
+    batch_sizes = [len(prompts) for prompts, _ in sampler.calls]
+    assert sum(batch_sizes) == 128 and len(batch_sizes) < 32, batch_sizes  # batched, not one call per request
+
+
+def program(tmp_path, name, body):
+    path = tmp_path / f"{name}.py"
+    path.write_text(body)
+    return f"{sys.executable} {path}"
+
+
+CALLER = """import json, os, openai
+client = openai.OpenAI(max_retries=0)
+reply = client.chat.completions.create(model="m", messages=[{"role": "user", "content": "Q"}], max_tokens=4)
+seed = int(os.environ["NANOAGENT_TASK_SEED"])
+"""
+
+
+def test_play_runs_programs_and_drops_groups_that_crash_hang_or_do_not_report(tiny, tmp_path, capsys):
+    model, tokenizer = tiny
+    server, _ = serving(TorchSampler(model), tokenizer, max_new_tokens=4)
+    good = program(tmp_path, "good", CALLER + 'print("log line")\nprint(json.dumps({"reward": seed / 10, '
+                                              '"success": True}))\n')
+    trajectories = server.play(good, [3, 5], group_size=2, timeout_s=60)
+    assert [(t.group_id, t.seed, t.score, t.turn_rewards[-1]) for t in trajectories] == [
+        (0, 3, 0.3, 0.3), (0, 3, 0.3, 0.3), (1, 5, 0.5, 0.5), (1, 5, 0.5, 0.5)]
+    assert all(t.info["success"] and t.num_turns == 1 for t in trajectories) and not server.conversations
+    flaky = program(tmp_path, "flaky", CALLER + """import time
+if seed == 1: raise SystemExit("crashed")
+if seed == 2: time.sleep(60)
+print("no reward" if seed == 3 else json.dumps({"reward": 1.0}))
+""")
+    trajectories = server.play(flaky, [0, 1, 3], group_size=1, timeout_s=120)
+    assert [t.seed for t in trajectories] == [0]
+    log = capsys.readouterr().out
+    assert "seed 1) dropped" in log and "exit code 1" in log and "crashed" in log
+    assert "seed 3) dropped" in log and "no reward" in log
+    with pytest.raises(UserError, match="every group"):  # the one that hangs is killed at the time-out
+        server.play(flaky, [2], group_size=1, timeout_s=3)
+    assert "seed 2) dropped" in capsys.readouterr().out and not server.conversations
+    server.close()
+
+
+def test_the_example_agent_plays_an_episode_through_the_endpoint(tiny):
+    model, tokenizer = tiny
+    server, _ = serving(TorchSampler(model), tokenizer, max_new_tokens=16)
+    [trajectory] = server.play(f"{sys.executable} {EXAMPLE_AGENT}", [4], group_size=1, timeout_s=60)
+    server.close()
+    assert trajectory.num_turns >= 1 and trajectory.score in (0.0, 1.0)
+    assert "search" in tokenizer.decode(trajectory.token_ids[:trajectory.prompt_length])  # its tool, in the prompt
+
+
+def test_the_example_agent_draws_the_tasks_of_synthetic_qa():
+    sys.path.insert(0, str(EXAMPLE_AGENT.parent))
+    import multihop_agent
+    import envs
+    for seed in [0, 1, 7, 10_000_000]:
+        env = envs.SyntheticQAEnv(hops=2)
+        messages, schemas = env.reset(seed)
+        question, answer, facts = multihop_agent.new_task(seed)
+        assert messages == [{"role": "system", "content": multihop_agent.SYSTEM}, {"role": "user", "content": question}]
+        assert env.answers == [answer] and json.dumps(schemas) == json.dumps([multihop_agent.SEARCH])
+        for name in [*{subject for subject, _, _ in facts}, "Nobody", " amber. "]:
+            assert env.tools["search"].function(name) == multihop_agent.search(name, facts)
