@@ -1,47 +1,42 @@
 """
-Serve the policy behind an OpenAI-compatible endpoint, and record what it sampled as trajectories.
+Serve the policy behind an OpenAI-compatible endpoint, and record what it samples as trajectories.
 
-    python -m nanoagent.serve --model runs/default/step_000100 --port 8000 --out_dir runs/served
+    python -m nanoagent.serve --model runs/default/step_000100 --port 8000  # Ctrl-C: runs/served/trajectories.jsonl
     OPENAI_BASE_URL=http://127.0.0.1:8000/v1 OPENAI_API_KEY=none python my_agent.py   # any agent, unchanged
 
-Most agents are already written: a loop over the `openai` client's chat completions with tools. So the
-policy sits behind `POST /v1/chat/completions` (non-streaming, `tools`, `tool_choice` "auto", `temperature`,
-`max_tokens`, `seed`; fields it does not know are ignored, as OpenAI's and vLLM's servers do) and
-`GET /v1/models`, and the agent runs as it is (AReaL's OpenAI proxy, verl's RemoteAgentLoop, Agent Lightning).
-A reply holding Hermes `<tool_call>` blocks comes back as OpenAI `tool_calls`, read by tools.parse_tool_calls.
+Agents are mostly written already, as loops over the `openai` client, so the policy answers `POST
+/v1/chat/completions` (whole replies; `tools`, `tool_choice` "auto", `temperature`, `max_tokens`, `seed`; other
+fields ignored, as OpenAI's and vLLM's servers do) and `GET /v1/models`, like AReaL's proxy or Agent Lightning.
+Hermes `<tool_call>` blocks in a reply come back as OpenAI `tool_calls` (tools.parse_tool_calls).
 
-Token in, token out, through a text API. A request carries the conversation as text; rendering it again and
-encoding it would not give the tokens the model sampled (rollout.py's docstring: the drift behind Agent-R1's
-NaN losses). So the endpoint keeps every conversation's tokens (a rollout.Trajectory) and matches each
-request's messages against them by prefix: the history it already answered stays as it was sampled, with
-the sampler's log-probs (mask 1), and only the new messages (tool results, user turns) are encoded, the way
-rollout() encodes an env's observations (mask 0). A history that does not extend what was sampled (the
-client edited or summarised it, or wrote an assistant turn itself) starts a new segment: a new trajectory of
-the same episode, rendered whole as its prompt, its `info["segment"]` counting up.
+Token in, token out through a text API: encoding the request's text again would not give the sampled tokens
+(rollout.py's docstring). So each conversation keeps its tokens (a rollout.Trajectory); a request whose messages
+extend a conversation's history continues it: the turns sampled stay as sampled, with their log-probs (mask 1),
+and only the new messages are encoded, as rollout() encodes observations (mask 0). A history that does not
+extend one (edited, summarised, an assistant turn the client wrote) starts a new segment: a new trajectory with
+the whole history as its prompt, info["segment"] counting up.
 
-Batching. Each request's turn goes to one sampler thread, which waits `window_s` after the first for others:
-the turns that arrive together (64 agents answering their tool results) share one sampler.generate, as in
-rollout()'s lockstep, and turns that come while a batch runs make up the next.
+Batching: the sampler thread waits `window_s` after a turn arrives; the turns that came meanwhile (64 agents
+sending tool results) share one sampler.generate, rollout()'s lockstep, and those that come during it the next.
 
-Episodes (train.py --agent). `play` runs the user's program once per episode, with its own base URL
-($OPENAI_BASE_URL = .../episodes/<id>/v1: its conversations are told apart from the others' by the URL), the
-task seed ($NANOAGENT_TASK_SEED) and the episode's id ($NANOAGENT_EPISODE_ID) in its environment. The program
-reports its reward as the last line of its output, a JSON object: {"reward": 1.0, "success": true}. The
-reward goes on the last token of the episode's last turn. A program that crashes, runs past the time-out
-(killed) or prints no reward loses its group for the step, and the log says why.
+Episodes (train.py --agent): `play` runs the user's program once per episode with its own base URL
+($OPENAI_BASE_URL = .../episodes/<id>/v1), the task seed ($NANOAGENT_TASK_SEED) and the episode's id
+($NANOAGENT_EPISODE_ID) in its environment. Its last line of output is its reward: {"reward": 1.0, "success":
+true}, put on the last token of each of its segments. A program that crashes, hangs past the time-out (killed)
+or reports no reward loses its group for the step, and the log says why.
 """
 
 import argparse
 import json
 import os
 import queue
+import re
 import shlex
 import subprocess
-import tempfile
 import threading
 import time
 import uuid
-from concurrent.futures import Future
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
@@ -56,63 +51,60 @@ from nanoagent.sampler import TorchSampler
 ROLES = ("system", "user", "assistant", "tool")
 
 
-class RequestError(Exception):
-    """A request the endpoint refuses, answered with OpenAI's error body."""
+class RequestError(ValueError):
+    """A request the endpoint refuses (400), with OpenAI's error code."""
 
-    def __init__(self, message, code=None, status=400):
+    def __init__(self, message, code=None):
         super().__init__(message)
-        self.code, self.status = code, status
+        self.code = code
 
 
 def text_of(content):
-    """A message's content as text: a string, None, or OpenAI's list of {"type": "text", "text": ...} parts."""
-    if content is None or isinstance(content, str):
-        return content or ""
+    """A message's content as text: a string, None, or a list of OpenAI's {"type": "text", "text": ...} parts."""
     if isinstance(content, list) and all(isinstance(part, dict) and part.get("type") == "text" for part in content):
         return "".join(part.get("text", "") for part in content)
+    if content is None or isinstance(content, str):
+        return content or ""
     raise RequestError("content must be a string or a list of text parts (this endpoint reads text only)")
 
 
-def read_messages(body):
-    """The request's messages as the chat template takes them ({"role", "content", "tool_calls": [{"name",
-    "arguments": {...}}]}, nothing else), checked: known roles, tool messages answering a call of the last
-    assistant turn."""
-    if not isinstance(body.get("messages"), list) or not body["messages"]:
+def read_messages(messages):
+    """The messages as the chat template takes them ({"role", "content", "tool_calls": [{"name", "arguments":
+    {...}}]}), checked: known roles, and a tool message answers a call of the assistant turn before it."""
+    if not isinstance(messages, list) or not messages:
         raise RequestError("'messages' must be a non-empty list")
-    messages, call_ids = [], set()
-    for index, message in enumerate(body["messages"]):
+    read, call_ids = [], set()
+    for index, message in enumerate(messages):
         role = message.get("role") if isinstance(message, dict) else None
         if role not in ROLES:
             raise RequestError(f"messages[{index}]: unknown role {role!r}; this endpoint knows {', '.join(ROLES)}")
-        read = {"role": role, "content": text_of(message.get("content"))}
-        if role == "assistant" and message.get("tool_calls"):
+        read.append({"role": role, "content": text_of(message.get("content"))})
+        if role == "assistant":
             try:
-                read["tool_calls"] = [{"name": call["function"]["name"],
-                                       "arguments": json.loads(call["function"]["arguments"])}
-                                      for call in message["tool_calls"]]
-                call_ids = {call.get("id") for call in message["tool_calls"]}
-            except (KeyError, TypeError, ValueError) as error:
-                raise RequestError(f"messages[{index}]: malformed tool_calls ({error})") from error
-        elif role == "assistant":
-            call_ids = set()
+                calls = [(call.get("id"), call["function"]["name"], json.loads(call["function"]["arguments"]))
+                         for call in message.get("tool_calls") or []]
+            except (KeyError, TypeError, AttributeError, ValueError) as problem:
+                raise RequestError(f"messages[{index}]: malformed tool_calls ({problem!r})") from problem
+            read[-1].update({"tool_calls": [{"name": name, "arguments": arguments} for _, name, arguments in calls]}
+                            if calls else {})
+            call_ids = {call_id for call_id, _, _ in calls}
         if role == "tool" and message.get("tool_call_id") not in call_ids:
             raise RequestError(f"messages[{index}]: tool message with tool_call_id {message.get('tool_call_id')!r} "
                                "answers no tool call of the assistant turn before it")
-        messages.append(read)
-    return messages
+    return read
 
 
 @dataclass
 class Conversation:
     episode: str  # the episode's id from the URL ("" outside training)
-    keys: list[str]  # its tools and messages so far, the last reply included, as JSON: what a request extends
+    keys: list[str]  # its tools, then its messages so far as JSON, the last reply included: what a request extends
     trajectory: rollout.Trajectory
-    closing: list[int]  # the <|im_end|> a turn cut by max_tokens lacks, added before the next observation
+    closing: list[int]  # the <|im_end|> that a turn cut by max_tokens lacks, written before the next message
     busy: bool = True  # a turn of it is being sampled: a concurrent request cannot extend it
 
 
 class Server:
-    """The endpoint's state: the sampler and its batching thread, and the conversations it is recording."""
+    """The endpoint: the sampler and its batching thread, the conversations being recorded, the HTTP server."""
 
     def __init__(self, sampler, tokenizer, max_new_tokens, max_total_tokens, temperature=None, window_s=0.05,
                  model_name="nanoagent", host="127.0.0.1", port=0):
@@ -123,15 +115,13 @@ class Server:
         self.stop_token_ids = [tokenizer.convert_tokens_to_ids(token) for token in rollout.STOP_TOKENS]
         self.conversations, self.lock, self.turns = [], threading.Lock(), queue.Queue()
         self.sample_seed, self.episodes_played = 0, 0
-        self.http = ThreadingHTTPServer((host, port), Handler)
-        self.http.endpoint = self
-        self.url = f"http://{host}:{self.http.server_address[1]}"
+        self.http = HTTPServer((host, port), Handler)
+        self.http.endpoint, self.url = self, f"http://{host}:{self.http.server_address[1]}"
         threading.Thread(target=self.sample_batches, daemon=True).start()
         threading.Thread(target=self.http.serve_forever, daemon=True).start()
 
     def sample_batches(self):
-        """The sampler thread: the turns that arrive within window_s of the first share one generate call
-        (one per temperature: the sampler takes one)."""
+        """The sampler thread: turns that arrive within window_s of the first share a generate (per temperature)."""
         while True:
             batch, deadline = [self.turns.get()], time.monotonic() + self.window_s
             while (left := deadline - time.monotonic()) > 0:
@@ -147,13 +137,13 @@ class Server:
                                                         seed=[row[3] for row in rows])
                     for row, generation in zip(rows, generations):
                         row[4].set_result(generation)
-                except Exception as error:  # the requests fail with it (a 500), the thread goes on
+                except Exception as problem:  # those requests fail with it (a 500), the thread goes on
                     for row in rows:
-                        row[4].set_exception(error)
+                        row[4].set_exception(problem)
 
     def extendable(self, episode, keys, messages):
-        """The idle conversation of `episode` whose history `keys` extends with new messages, none of them an
-        assistant turn of the client's own (the longest, if several), marked busy; None if there is none."""
+        """The idle conversation of `episode` (the longest) whose history `keys` extends by messages that are not
+        assistant turns, marked busy; None if there is none."""
         with self.lock:
             matches = [c for c in self.conversations if c.episode == episode and not c.busy
                        and len(keys) > len(c.keys) and keys[:len(c.keys)] == c.keys
@@ -164,35 +154,31 @@ class Server:
             return conversation
 
     def complete(self, episode, body):
-        """One chat completion: the OpenAI response body; the turn is recorded in its conversation."""
-        if body.get("stream"):
-            raise RequestError("stream: this endpoint answers whole responses only; send stream=false")
-        if (body.get("n") or 1) != 1:
-            raise RequestError(f"n={body['n']}: this endpoint samples one choice per request")
-        if (body.get("tool_choice") or "auto") != "auto":
-            raise RequestError(f"tool_choice {body['tool_choice']!r}: this endpoint supports 'auto' only")
+        """One chat completion: the OpenAI response body. The turn is recorded in its conversation."""
+        refused = {"stream": bool(body.get("stream")), "n": (body.get("n") or 1) != 1,
+                   "tool_choice": (body.get("tool_choice") or "auto") != "auto"}
+        for field in (field for field, refuse in refused.items() if refuse):
+            raise RequestError(f"{field}={body[field]!r}: this endpoint gives one whole reply, tool_choice 'auto' only")
         limit = body.get("max_completion_tokens") or body.get("max_tokens") or self.max_new_tokens
         if not isinstance(limit, int) or limit < 1:
             raise RequestError(f"max_tokens must be a positive integer, got {limit!r}")
-        messages, tool_schemas = read_messages(body), body.get("tools") or []
+        messages, tool_schemas = read_messages(body.get("messages")), body.get("tools") or []
         keys = [json.dumps(tool_schemas, sort_keys=True)] + [json.dumps(m, sort_keys=True) for m in messages]
         conversation = self.extendable(episode, keys, messages)
         try:
             if conversation is not None:  # only the new messages are encoded, after the tokens already there
-                history = conversation.trajectory.token_ids
-                new_messages = messages[len(conversation.keys) - 1:]
+                trajectory, new_messages = conversation.trajectory, messages[len(conversation.keys) - 1:]
                 new_tokens = conversation.closing + rollout.observation_tokens(self.tokenizer, new_messages)
-                segment, turn = conversation.trajectory.info["segment"], conversation.trajectory.num_turns
-            else:  # a new conversation, or a new segment of this episode: the whole history is its prompt
-                history, new_messages = [], messages
+                history, segment = trajectory.token_ids, trajectory.info["segment"]
+            else:  # a new conversation, or a new segment of the episode: the whole history is its prompt
+                new_messages, history, segment = messages, [], sum(c.episode == episode for c in self.conversations)
                 new_tokens = rollout.encode_chat(self.tokenizer, messages, tool_schemas, add_generation_prompt=True)
-                segment, turn = sum(c.episode == episode for c in self.conversations), 0
             length = len(history) + len(new_tokens)
             if length >= self.max_total_tokens:
                 raise RequestError(f"the conversation is {length} tokens, the context budget {self.max_total_tokens}",
                                    code="context_length_exceeded")
-            seed = body.get("seed")
-            seed = rollout.sample_seed_for(self.sample_seed, episode, segment, turn) if seed is None else seed
+            seed = body["seed"] if body.get("seed") is not None else rollout.sample_seed_for(
+                self.sample_seed, episode, segment, conversation.trajectory.num_turns if conversation else 0)
             temperature = self.temperature if self.temperature is not None else body.get("temperature", 1.0)
             done = Future()
             self.turns.put((history + new_tokens, min(limit, self.max_total_tokens - length), temperature, seed, done))
@@ -202,26 +188,24 @@ class Server:
                 conversation.busy = False
             raise
         if conversation is None:
-            trajectory = rollout.Trajectory(
+            conversation = Conversation(episode, keys, rollout.Trajectory(
                 token_ids=[], action_mask=[], logprobs=[], prompt_length=len(new_tokens), turn_rewards=[],
                 turn_end_positions=[], turn_infos=[], score=0.0, group_id=0, seed=0, truncated=False, num_turns=0,
-                messages=[], info={"success": False, "segment": segment})
-            conversation = Conversation(episode, keys, trajectory, [])
+                messages=[], info={"success": False, "segment": segment}), [])
             with self.lock:
                 self.conversations.append(conversation)
-        message, read_back, finish_reason = self.record(conversation, new_messages, new_tokens, generation)
-        conversation.keys, conversation.busy = keys + [json.dumps(read_back, sort_keys=True)], False
-        completion_tokens = len(generation.token_ids)
+        message, finish_reason = self.record(conversation, new_messages, new_tokens, generation)
+        # What the client will send back as this turn: read as read_messages reads it, then.
+        conversation.keys, conversation.busy = keys + [json.dumps(read_messages([message])[0], sort_keys=True)], False
         return {"id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion", "created": int(time.time()),
                 "model": self.model_name,
                 "choices": [{"index": 0, "message": message, "finish_reason": finish_reason, "logprobs": None}],
-                "usage": {"prompt_tokens": length, "completion_tokens": completion_tokens,
-                          "total_tokens": length + completion_tokens}}
+                "usage": {"prompt_tokens": length, "completion_tokens": len(generation.token_ids),
+                          "total_tokens": length + len(generation.token_ids)}}
 
     def record(self, conversation, new_messages, new_tokens, generation):
-        """Append the new messages' tokens (mask 0) and the sampled turn (mask 1, its log-probs) to the
-        conversation's trajectory; returns the reply as OpenAI's message, the same as read_messages reads it
-        back from the client, and the finish reason."""
+        """Append the new messages' tokens (mask 0) and the sampled turn (mask 1, with its log-probs) to the
+        conversation's trajectory; returns the reply as OpenAI's message, and the finish reason."""
         trajectory = conversation.trajectory
         rollout.append(trajectory, new_tokens, 0)
         rollout.append(trajectory, generation.token_ids, 1, generation.logprobs)
@@ -235,19 +219,11 @@ class Server:
                                       "format_error": False, "calls": [asdict(call) for call in calls]})
         trajectory.messages += new_messages + [{"role": "assistant", "content": text}]  # the turns as sampled
         if not calls or any(call.error for call in calls):  # no call, or a malformed one: the text as it is
-            finish_reason = "stop" if generation.finish_reason == "stop" else "length"
-            return {"role": "assistant", "content": text}, {"role": "assistant", "content": text}, finish_reason
+            return {"role": "assistant", "content": text}, "stop" if generation.finish_reason == "stop" else "length"
         content = text[:text.index(tools.OPEN_TAG)].strip()  # what precedes the calls, as vLLM's Hermes parser
-        message = {"role": "assistant", "content": content or None, "tool_calls": [
+        return {"role": "assistant", "content": content or None, "tool_calls": [
             {"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
-             "function": {"name": call.name, "arguments": json.dumps(call.arguments)}} for call in calls]}
-        return message, {"role": "assistant", "content": content, "tool_calls": [
-            {"name": call.name, "arguments": call.arguments} for call in calls]}, "tool_calls"
-
-    def close(self):
-        """Stop answering and free the port."""
-        self.http.shutdown()
-        self.http.server_close()
+             "function": {"name": call.name, "arguments": json.dumps(call.arguments)}} for call in calls]}, "tool_calls"
 
     def take(self, episode):
         """The conversations (segments) of an episode, in order, forgotten here."""
@@ -256,54 +232,61 @@ class Server:
             self.conversations = [c for c in self.conversations if c.episode != episode]
         return taken
 
+    def play_one(self, program, seed, timeout_s):
+        """Run `program` for one episode of task `seed`: (its conversations, its report) or (None, why it failed)."""
+        with self.lock:
+            episode, self.episodes_played = str(self.episodes_played), self.episodes_played + 1
+        environment = {**os.environ, "OPENAI_BASE_URL": f"{self.url}/episodes/{episode}/v1",
+                       "OPENAI_API_KEY": "nanoagent", "NANOAGENT_TASK_SEED": str(seed), "NANOAGENT_EPISODE_ID": episode}
+        try:  # subprocess.run kills the program at the time-out
+            done = subprocess.run(shlex.split(program), env=environment, capture_output=True, text=True,
+                                  timeout=timeout_s)
+            report = json.loads((done.stdout.strip().splitlines() or [""])[-1]) if done.returncode == 0 else None
+            assert done.returncode == 0, f"exit code {done.returncode}: {done.stderr.strip()[-300:]}"
+            assert isinstance(report, dict) and isinstance(report.get("reward"), (int, float)), "no reward reported"
+            conversations = self.take(episode)
+            assert conversations, "it made no request"
+            return conversations, report
+        except subprocess.TimeoutExpired:
+            return None, f"ran past {timeout_s}s and was killed"
+        except (AssertionError, ValueError) as problem:
+            return None, f"{problem}; its last line: {(done.stdout.strip().splitlines() or [''])[-1][-200:]!r}"
+        finally:
+            self.take(episode)  # a failed program's half-played conversations go too
+
     def play(self, program, seeds, group_size, timeout_s, sample_seed=0):
-        """Run `program` (a command line) group_size times for each task seed, all at once against this endpoint;
-        returns the trajectories of the groups whose every member reported a reward (group_id: the seed's index)."""
-        self.sample_seed, runs = sample_seed, []
-        for group_id, seed in enumerate(seeds):
-            for _ in range(group_size):
-                episode, self.episodes_played = str(self.episodes_played), self.episodes_played + 1
-                output = tempfile.TemporaryFile("w+")  # a file, not a pipe: a chatty program cannot block on it
-                environment = {**os.environ, "OPENAI_BASE_URL": f"{self.url}/episodes/{episode}/v1",
-                               "OPENAI_API_KEY": "nanoagent", "NANOAGENT_TASK_SEED": str(seed),
-                               "NANOAGENT_EPISODE_ID": episode}
-                process = subprocess.Popen(shlex.split(program), env=environment, stdout=output,
-                                           stderr=subprocess.STDOUT, text=True)
-                runs.append((group_id, seed, episode, process, output))
-        deadline, trajectories, dropped = time.monotonic() + timeout_s, [], {}
-        for group_id, seed, episode, process, output in runs:
-            try:
-                process.wait(timeout=max(0.0, deadline - time.monotonic()))
-                output.seek(0)
-                lines = output.read().strip().splitlines() or [""]
-                report = json.loads(lines[-1]) if process.returncode == 0 else None
-                reward = float(report["reward"])
-                conversations = self.take(episode)
-                assert conversations, "it made no request"
-            except subprocess.TimeoutExpired:
-                process.kill()
-                dropped.setdefault(group_id, f"episode {episode} (seed {seed}) ran past {timeout_s}s and was killed")
-            except (ValueError, TypeError, KeyError, AssertionError) as problem:
-                why = f"exit code {process.returncode}" if process.returncode else str(problem)
-                dropped.setdefault(group_id, f"episode {episode} (seed {seed}) reported no reward ({why}); "
-                                             f"its last line: {lines[-1][-200:]!r}")
-            else:
-                for conversation in conversations:
-                    trajectory = conversation.trajectory
-                    trajectory.turn_rewards[-1] = trajectory.score = reward
-                    trajectory.group_id, trajectory.seed = group_id, seed
-                    trajectory.info.update(success=bool(report.get("success", False)),
-                                           tool_calls=sum(info["tool_calls"] for info in trajectory.turn_infos),
-                                           invalid_calls=sum(info["invalid_calls"] for info in trajectory.turn_infos))
-                    trajectories.append(trajectory)
-            finally:
-                self.take(episode)  # a killed program's half-played conversations go too
-                output.close()
-        for group_id, why in sorted(dropped.items()):
-            print0(f"group {group_id} (seed {seeds[group_id]}) dropped: {why}")
+        """Run `program` (a command line) group_size times for each task seed, all at once; returns the
+        trajectories of the groups whose every member reported a reward, group_id the seed's index."""
+        self.sample_seed = sample_seed
+        episodes = [(group_id, seed) for group_id, seed in enumerate(seeds) for _ in range(group_size)]
+        with ThreadPoolExecutor(len(episodes)) as pool:
+            results = list(pool.map(lambda episode: self.play_one(program, episode[1], timeout_s), episodes))
+        trajectories, dropped = [], {}
+        for (group_id, seed), (conversations, report) in zip(episodes, results):
+            if conversations is None:
+                dropped.setdefault(group_id, f"group {group_id} (seed {seed}) dropped: an episode failed ({report})")
+                continue
+            for trajectory in (conversation.trajectory for conversation in conversations):
+                trajectory.turn_rewards[-1] = trajectory.score = float(report["reward"])
+                trajectory.group_id, trajectory.seed = group_id, seed
+                trajectory.info.update(success=bool(report.get("success")),
+                                       tool_calls=sum(info["tool_calls"] for info in trajectory.turn_infos),
+                                       invalid_calls=sum(info["invalid_calls"] for info in trajectory.turn_infos))
+                trajectories.append(trajectory)
+        for why in dropped.values():
+            print0(why)
         if len(dropped) == len(seeds):
-            raise UserError(f"every group of the step was dropped (the log above says why): {program!r}")
-        return [t for t in trajectories if t.group_id not in dropped]
+            raise UserError(f"every group was dropped (the log above says why): {program!r}")
+        return [trajectory for trajectory in trajectories if trajectory.group_id not in dropped]
+
+    def close(self):
+        """Stop answering and free the port."""
+        self.http.shutdown()
+        self.http.server_close()
+
+
+class HTTPServer(ThreadingHTTPServer):
+    request_queue_size = 1024  # connections waiting to be accepted: 64 agents connect at once (the default is 5)
 
 
 class Handler(BaseHTTPRequestHandler):
@@ -311,9 +294,9 @@ class Handler(BaseHTTPRequestHandler):
     protocol_version = "HTTP/1.1"  # keep-alive: the openai client reuses its connections
 
     def route(self):
-        """(episode id, the path after /v1)."""
-        parts = self.path.split("?")[0].rstrip("/").split("/v1", 1)
-        return parts[0].removeprefix("/episodes/") if parts[0] else "", parts[1] if len(parts) > 1 else ""
+        """(episode id, the path after /v1): ("7", "/chat/completions") for /episodes/7/v1/chat/completions."""
+        match = re.fullmatch(r"(?:/episodes/([^/]+))?/v1(/[\w/]*?)/?(?:\?.*)?", self.path)
+        return (match[1] or "", match[2]) if match else ("", "")
 
     def do_GET(self):
         if self.route()[1] != "/models":
@@ -322,22 +305,19 @@ class Handler(BaseHTTPRequestHandler):
                                                           "created": 0, "owned_by": "nanoagent"}]})
 
     def do_POST(self):
-        episode, path = self.route()
         body = self.rfile.read(int(self.headers.get("Content-Length") or 0))
+        episode, path = self.route()
         if path != "/chat/completions":
             return self.send_json(404, error(f"no route POST {self.path}", "not_found"))
         try:
             request = json.loads(body)
-        except ValueError as problem:
-            return self.send_json(400, error(f"the body is not JSON: {problem}", "invalid_json"))
-        try:
             if not isinstance(request, dict):
-                raise RequestError("the body must be a JSON object")
+                raise RequestError("the body must be a JSON object", "invalid_json")
             self.send_json(200, self.server.endpoint.complete(episode, request))
-        except RequestError as problem:
-            self.send_json(problem.status, error(str(problem), problem.code))
+        except ValueError as problem:  # a RequestError, or json's
+            self.send_json(400, error(str(problem), getattr(problem, "code", "invalid_json")))
         except Exception as problem:  # a bug or a sampler failure: this request fails, the server goes on
-            self.log_error("%s", repr(problem))
+            self.log_error("%r", problem)
             self.send_json(500, error(f"the server failed: {problem!r}", "server_error"))
 
     def send_json(self, status, body):
@@ -348,8 +328,8 @@ class Handler(BaseHTTPRequestHandler):
             self.send_header("Content-Length", str(len(data)))
             self.end_headers()
             self.wfile.write(data)
-        except OSError as problem:  # the client went away mid-request: its turn stays recorded, nothing else
-            print0(f"serve: a client left before its reply ({problem})")
+        except OSError as problem:  # the client left before its reply: its turn stays recorded
+            print0(f"serve: a client left before its reply ({problem!r})")
 
     def log_message(self, format, *args):  # 64 agents' requests would bury the log: errors only
         if args and str(args[1]).startswith(("4", "5")):
@@ -368,17 +348,17 @@ def main(argv=None):
     parser.add_argument("--port", type=int, default=8000)
     parser.add_argument("--max_new_tokens", type=int, default=256, help="per reply, unless the request says less")
     parser.add_argument("--max_total_tokens", type=int, default=4096, help="per conversation")
-    parser.add_argument("--out_dir", default="runs/served", help="where the conversations go on shutdown")
+    parser.add_argument("--out_dir", default="runs/served", help="where the conversations go on Ctrl-C")
     args = parser.parse_args(argv)
     model, tokenizer = load_model(resolve_model_path(args.model))
     server = Server(TorchSampler(model), tokenizer, args.max_new_tokens, args.max_total_tokens,
                     model_name=args.model, host=args.host, port=args.port)
-    print(f"serving {args.model} at {server.url}/v1 (Ctrl-C writes the conversations to {args.out_dir})")
+    print(f"serving {args.model} at {server.url}/v1")
     try:
         threading.Event().wait()
     except KeyboardInterrupt:
-        trajectories = [c.trajectory for c in server.conversations if c.trajectory.num_turns]
-        for group_id, trajectory in enumerate(trajectories):
+        trajectories = [conversation.trajectory for conversation in server.conversations]
+        for group_id, trajectory in enumerate(trajectories):  # one conversation, one group: the report's unit
             trajectory.group_id = group_id
         Path(args.out_dir).mkdir(parents=True, exist_ok=True)
         append_jsonl(Path(args.out_dir) / TRAJECTORIES, trajectory_records(trajectories, tokenizer, 0))

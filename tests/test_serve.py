@@ -5,7 +5,6 @@ import http.client
 import json
 import socket
 import sys
-import threading
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -146,13 +145,13 @@ def bad_request(client, code=None, **request):
 def test_bad_requests_get_openai_errors_and_the_server_goes_on():
     tokenizer = tiny_tokenizer()
     server, client = serving(ScriptedSampler(tokenizer, scripted_replies(tokenizer)), tokenizer, max_total_tokens=400)
-    assert "stream" in bad_request(client, stream=True)
+    assert "stream=True" in bad_request(client, stream=True)
     assert "n=2" in bad_request(client, n=2)
     assert "unknown role" in bad_request(client, messages=[{"role": "wizard", "content": "hi"}])
     assert "answers no tool call" in bad_request(client, messages=[*OPENING, {"role": "tool", "tool_call_id": "x",
                                                                                "content": "7"}])
     bad_request(client, code="context_length_exceeded", messages=[{"role": "user", "content": "many words " * 300}])
-    assert "tool_choice" in bad_request(client, tool_choice="required", tools=CALCULATOR)
+    assert "tool_choice='required'" in bad_request(client, tool_choice="required", tools=CALCULATOR)
     connection = http.client.HTTPConnection("127.0.0.1", int(server.url.rsplit(":", 1)[1]))
     connection.request("POST", "/v1/chat/completions", body=b'{"messages": [', headers={"Content-Type": "json"})
     response = connection.getresponse()
@@ -248,3 +247,16 @@ def test_the_example_agent_draws_the_tasks_of_synthetic_qa():
         assert env.answers == [answer] and json.dumps(schemas) == json.dumps([multihop_agent.SEARCH])
         for name in [*{subject for subject, _, _ in facts}, "Nobody", " amber. "]:
             assert env.tools["search"].function(name) == multihop_agent.search(name, facts)
+
+
+def test_train_takes_its_episodes_from_the_agent_program(tmp_path):
+    import train
+    from nanoagent.report import TRAJECTORIES, read_jsonl
+    policy, history = train.main(["--agent", f"{sys.executable} {EXAMPLE_AGENT}", "--model", "tiny",
+                                  "--warmup_steps", "0", "--steps", "1", "--prompts_per_step", "2", "--group_size", "2",
+                                  "--eval_every", "0", "--out_dir", str(tmp_path / "run")])
+    assert history[-1]["step"] == 1 and history[-1]["kept_trajectories"] == 4
+    assert history[-1]["logprob_mismatch"] < 1e-4  # the endpoint's log-probs are the policy's
+    records = read_jsonl(tmp_path / "run" / TRAJECTORIES, [])
+    assert len(records) == 2 and {record["seed"] for record in records} == {0}  # the first group's two members
+    assert "agent" in records[0]["tokens"]["author"]
