@@ -37,7 +37,7 @@ import threading
 import time
 import uuid
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
@@ -59,15 +59,6 @@ class RequestError(ValueError):
         self.code = code
 
 
-def text_of(content):
-    """A message's content as text: a string, None, or a list of OpenAI's {"type": "text", "text": ...} parts."""
-    if isinstance(content, list) and all(isinstance(part, dict) and part.get("type") == "text" for part in content):
-        return "".join(part.get("text", "") for part in content)
-    if content is None or isinstance(content, str):
-        return content or ""
-    raise RequestError("content must be a string or a list of text parts (this endpoint reads text only)")
-
-
 def read_messages(messages):
     """The messages as the chat template takes them ({"role", "content", "tool_calls": [{"name", "arguments":
     {...}}]}), checked: known roles, and a tool message answers a call of the assistant turn before it."""
@@ -78,7 +69,9 @@ def read_messages(messages):
         role = message.get("role") if isinstance(message, dict) else None
         if role not in ROLES:
             raise RequestError(f"messages[{index}]: unknown role {role!r}; this endpoint knows {', '.join(ROLES)}")
-        read.append({"role": role, "content": text_of(message.get("content"))})
+        if not isinstance(message.get("content") or "", str):
+            raise RequestError(f"messages[{index}]: content must be a string (this endpoint reads text only)")
+        read.append({"role": role, "content": message.get("content") or ""})
         if role == "assistant":
             try:
                 calls = [(call.get("id"), call["function"]["name"], json.loads(call["function"]["arguments"]))
@@ -356,10 +349,8 @@ def main(argv=None):
     print(f"serving {args.model} at {server.url}/v1")
     try:
         threading.Event().wait()
-    except KeyboardInterrupt:
-        trajectories = [conversation.trajectory for conversation in server.conversations]
-        for group_id, trajectory in enumerate(trajectories):  # one conversation, one group: the report's unit
-            trajectory.group_id = group_id
+    except KeyboardInterrupt:  # each conversation its own group, the report's unit
+        trajectories = [replace(c.trajectory, group_id=group_id) for group_id, c in enumerate(server.conversations)]
         Path(args.out_dir).mkdir(parents=True, exist_ok=True)
         append_jsonl(Path(args.out_dir) / TRAJECTORIES, trajectory_records(trajectories, tokenizer, 0))
         print(f"{len(trajectories)} conversations written to {Path(args.out_dir) / TRAJECTORIES}")
