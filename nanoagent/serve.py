@@ -107,7 +107,7 @@ class Server:
         self.end_of_turn = tokenizer.convert_tokens_to_ids(rollout.END_OF_TURN)
         self.stop_token_ids = [tokenizer.convert_tokens_to_ids(token) for token in rollout.STOP_TOKENS]
         self.conversations, self.lock, self.turns = [], threading.Lock(), queue.Queue()
-        self.sample_seed, self.episodes_played = 0, 0
+        self.sample_seed, self.plays = 0, 0
         self.http = HTTPServer((host, port), Handler)
         self.http.endpoint, self.url = self, f"http://{host}:{self.http.server_address[1]}"
         threading.Thread(target=self.sample_batches, daemon=True).start()
@@ -225,10 +225,8 @@ class Server:
             self.conversations = [c for c in self.conversations if c.episode != episode]
         return taken
 
-    def play_one(self, program, seed, timeout_s):
+    def play_one(self, program, episode, seed, timeout_s):
         """Run `program` for one episode of task `seed`: (its conversations, its report) or (None, why it failed)."""
-        with self.lock:
-            episode, self.episodes_played = str(self.episodes_played), self.episodes_played + 1
         environment = {**os.environ, "OPENAI_BASE_URL": f"{self.url}/episodes/{episode}/v1",
                        "OPENAI_API_KEY": "nanoagent", "NANOAGENT_TASK_SEED": str(seed), "NANOAGENT_EPISODE_ID": episode}
         try:  # subprocess.run kills the program at the time-out
@@ -242,6 +240,8 @@ class Server:
             return conversations, report
         except subprocess.TimeoutExpired:
             return None, f"ran past {timeout_s}s and was killed"
+        except OSError as problem:
+            return None, f"could not start: {problem}"
         except (AssertionError, ValueError) as problem:
             return None, f"{problem}; its last line: {(done.stdout.strip().splitlines() or [''])[-1][-200:]!r}"
         finally:
@@ -250,10 +250,11 @@ class Server:
     def play(self, program, seeds, group_size, timeout_s, sample_seed=0):
         """Run `program` (a command line) group_size times for each task seed, all at once; returns the
         trajectories of the groups whose every member reported a reward, group_id the seed's index."""
-        self.sample_seed = sample_seed
+        self.sample_seed, self.plays = sample_seed, self.plays + 1
         episodes = [(group_id, seed) for group_id, seed in enumerate(seeds) for _ in range(group_size)]
-        with ThreadPoolExecutor(len(episodes)) as pool:
-            results = list(pool.map(lambda episode: self.play_one(program, episode[1], timeout_s), episodes))
+        with ThreadPoolExecutor(len(episodes)) as pool:  # episode ids: new ones each call, so no straggler joins
+            results = list(pool.map(lambda index: self.play_one(program, f"{self.plays}.{index}", episodes[index][1],
+                                                                timeout_s), range(len(episodes))))
         trajectories, dropped = [], {}
         for (group_id, seed), (conversations, report) in zip(episodes, results):
             if conversations is None:

@@ -223,6 +223,9 @@ print("no reward" if seed == 3 else json.dumps({"reward": 1.0}))
     with pytest.raises(UserError, match="every group"):  # the one that hangs is killed at the time-out
         server.play(flaky, [2], group_size=1, timeout_s=3)
     assert "seed 2) dropped" in capsys.readouterr().out and not server.conversations
+    with pytest.raises(UserError, match="every group"):
+        server.play(str(tmp_path / "no-such-program"), [0], group_size=1, timeout_s=30)
+    assert "could not start" in capsys.readouterr().out
     server.close()
 
 
