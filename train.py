@@ -531,9 +531,10 @@ def end_of_step(run, args, step, trajectories, kept, scored, shares, overall, pr
     if (step + 1) % args.save_every == 0 or step + 1 == args.steps:  # every rank: gathers and optimizer shards
         finish_checkpoint(run.saving)  # one save at a time: the previous one is written (in the background)
         run.saving = save_checkpoint(run.out_dir, step + 1, run.policy, run.tokenizer, critic=run.critic,
-                        optimizers=run.optimizers, trainer_state={
-                            "step": step + 1, "rng": gather_objects([rng_state()]), "history": run.history,
-                            "args": vars(args), "control": run.control, "reference": run.reference_path})
+                                     optimizers=run.optimizers, trainer_state={
+                                         "step": step + 1, "rng": gather_objects([rng_state()]),
+                                         "history": run.history, "args": vars(args), "control": run.control,
+                                         "reference": run.reference_path})
 
 
 def kept_group(tokenizer, step, scored):
