@@ -31,7 +31,7 @@ from dataclasses import dataclass
 import numpy
 import torch
 from torch.nn.utils.rnn import pad_sequence
-from transformers import DynamicCache
+from transformers import AttentionInterface, DynamicCache
 from transformers.cache_utils import DynamicLayer
 
 from nanoagent.common import rng_state, set_rng_state
@@ -75,6 +75,22 @@ def sample_tokens(logits, temperature, top_p, uniforms):
     tokens = torch.searchsorted(cumulative, targets, right=True).squeeze(1)  # (B,)
     tokens = tokens.clamp(max=probs.shape[1] - 1)
     return tokens, logprobs.gather(1, tokens[:, None]).squeeze(1)
+
+
+def grouped_decode_attention(module, query, key, value, attention_mask, scaling, **kwargs):
+    """The static decode step's attention, a transformers attention function (registered below): one query a row,
+    the query heads that share a key/value head attending together, two matmuls that read the cache once. Given a
+    mask, transformers' SDPA first copies every key/value head once per query head (repeat_kv), and on a GPU that
+    copy of the whole cache took about half of a 0.5B model's decode step (docs/gpu.md). Scores as in transformers'
+    eager attention: a matmul in the model's dtype, the softmax in float32."""
+    batch, heads, _, dim = query.shape  # (B, H, 1, d); key, value (B, Hkv, W, d); mask (B, 1, 1, W), True: attend
+    grouped = query.view(batch, key.shape[1], heads // key.shape[1], dim)  # (B, Hkv, G, d): head h uses h // G
+    scores = torch.matmul(grouped, key.transpose(2, 3)) * scaling  # (B, Hkv, G, W)
+    weights = scores.masked_fill(~attention_mask, float("-inf")).softmax(-1, dtype=torch.float32).to(value.dtype)
+    return torch.matmul(weights, value).view(batch, 1, heads, dim), None  # (B, 1, H, d), as transformers' are
+
+
+AttentionInterface.register("grouped_decode", grouped_decode_attention)
 
 
 class PreallocatedLayer(DynamicLayer):
@@ -242,8 +258,13 @@ class TorchSampler:
 
         def decode_step():  # feed each slot's last token, sample the next: (tokens (P,), logprobs (P,))
             mask = state["mask"][:, None, None, :] if static else state["mask"]  # (P, 1, 1, W) is taken as is
-            logits = self.model(input_ids=state["tokens"][:, None], attention_mask=mask, use_cache=True,
-                                position_ids=state["position"][:, None], past_key_values=cache).logits[:, -1]
+            config, implementation = self.model.config, self.model.config._attn_implementation
+            config._attn_implementation = "grouped_decode" if static else implementation  # read at each forward
+            try:
+                logits = self.model(input_ids=state["tokens"][:, None], attention_mask=mask, use_cache=True,
+                                    position_ids=state["position"][:, None], past_key_values=cache).logits[:, -1]
+            finally:
+                config._attn_implementation = implementation
             return sample_tokens(logits, temperature, top_p, state["noise"])
 
         # What each row sampled, written on the device (a read back per token would stall a GPU at every step);

@@ -1,5 +1,6 @@
 """nanoagent/sampler.py: log-probs equal a teacher-forced pass, batching is invisible, stops, top-p, the canary."""
 
+import math
 import subprocess
 import sys
 
@@ -9,7 +10,7 @@ import torch
 from nanoagent.models import tiny_model, tiny_tokenizer
 from transformers.cache_utils import DynamicLayer
 
-from nanoagent.sampler import Generation, PreallocatedLayer, TorchSampler, sample_tokens
+from nanoagent.sampler import Generation, PreallocatedLayer, TorchSampler, grouped_decode_attention, sample_tokens
 
 PROMPTS = [[5, 6, 7], list(range(10, 30)), list(range(100, 109)), [42]]  # different lengths on purpose
 
@@ -323,3 +324,22 @@ def test_static_shapes_pad_to_power_of_two_buckets_and_read_back_every_8_steps(m
     # 1 after 24. Every decode step attends to the whole cache, 20 + 30 columns wide (the longest prompt, the limit).
     assert [shape[0] for shape in calls[1:]] == [6] * 7 + [4] * 8 + [2] * 8 + [1] * 6
     assert {tuple(shape[1:]) for shape in calls[1:]} == {(1, 1, 20 + 30)}
+
+
+def test_grouped_decode_attention_is_plain_attention_per_head():
+    # A plain loop per row and query head against the static decode step's attention: head h reads key/value head
+    # h // 3 (6 query heads over 2), masked columns (False) count for nothing, whatever they hold.
+    generator = torch.Generator().manual_seed(0)
+    query, key, value = (torch.randn(shape, generator=generator, dtype=torch.float64)
+                         for shape in ((3, 6, 1, 4), (3, 2, 5, 4), (3, 2, 5, 4)))
+    mask = torch.tensor([[1, 1, 1, 1, 1], [0, 1, 0, 1, 1], [0, 0, 0, 0, 1]], dtype=torch.bool)[:, None, None, :]
+    output, weights = grouped_decode_attention(None, query, key, value, mask, scaling=0.5)
+    assert output.shape == (3, 1, 6, 4) and weights is None
+    for row in range(3):
+        columns = [column for column in range(5) if mask[row, 0, 0, column]]
+        for head in range(6):
+            keys, values = key[row, head // 3, columns], value[row, head // 3, columns]  # (n, d) each
+            scores = [0.5 * float(query[row, head, 0] @ k) for k in keys]
+            exps = [math.exp(score - max(scores)) for score in scores]
+            expected = sum(e / sum(exps) * v for e, v in zip(exps, values))
+            assert torch.allclose(output[row, 0, head], expected, atol=1e-12)
