@@ -269,7 +269,7 @@ SIGNALS = {"retrieval_accuracy": -1, "mutual_information": -1, "zero_variance_gr
            "response_tokens_change": +1, "turns_change": -1, "void_turns": +1, "invalid_call_rate": +1,  # warns,
            "approx_kl_max": +1, "clip_fraction_max": +1, "logprob_mismatch": +1, "grad_norm": +1,  # -1: a fall
            "group_reward_std": -1, "entropy": -1}
-SMOOTH, FIRST_STEP = train.RETRIEVAL_WINDOW, train.RETRIEVAL_FIRST_STEP  # 3-step means, from step 6: as train.py
+SMOOTH, FIRST_STEP = 3, 6  # 3-step means, from step 6 (the first means are noise)
 
 
 def signal_steps(history, key):
@@ -320,12 +320,24 @@ def branch(out, source, at, flags, seed, steps, response):
                start_from=Path(source) / f"step_{at:06d}")
 
 
+def ragen_rules(history, window=5):
+    """RAGEN's own rules, as train.py's monitor had them when this study ran: the `window`-step mean in-group
+    reward std below 0.2x its peak while success < 0.9, or the gradient norm above 10x its median of 20 steps."""
+    smoothed = lambda key, end: statistics.fmean(h[key] for h in history[max(0, end - window):end])
+    if len(history) >= 2 * window:
+        peak = max(smoothed("group_reward_std", end) for end in range(window, len(history) + 1))
+        now = smoothed("group_reward_std", len(history))
+        if peak > 0.05 and now < 0.2 * peak and smoothed("success", len(history)) < 0.9:
+            return True
+    recent = [h["grad_norm"] for h in history[-21:-1]]
+    median = statistics.median(recent) if len(recent) >= 10 else 0.0
+    return median > 1e-6 and history[-1]["grad_norm"] > 10 * median
+
+
 def ragen_rules_firing(history):
-    """The first step at which train.py's monitor warns on RAGEN's own rules (in-group reward std fading, gradient
-    norm spiking), the retrieval-accuracy rule left out; None: never."""
-    steps = [{key: value for key, value in h.items() if key != "retrieval_accuracy"}
-             for h in history if "grad_norm" in h]
-    return next((end for end in range(1, len(steps) + 1) if train.echo_trap_warnings(steps[:end])), None)
+    """The first step at which RAGEN's rules (ragen_rules) fire; None: never."""
+    steps = [h for h in history if "grad_norm" in h]
+    return next((end for end in range(1, len(steps) + 1) if ragen_rules(steps[:end])), None)
 
 
 def collapse_signals(out, seeds, steps, episodes):

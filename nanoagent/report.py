@@ -14,7 +14,7 @@ searching. People find these by reading trajectories beside the curves, so a run
     every turn its reward, the tool calls the env parsed and the tool's answers.
 
 The page (`report_html`, template `report.html.jinja`): the run's flags and summary, the logged metrics
-as curves grouped as a reader thinks of them (matplotlib, inline PNGs) with Echo-Trap warnings marked,
+as curves grouped as a reader thinks of them (matplotlib, inline PNGs) with Echo-Trap warnings marked by signal,
 and a trajectory browser: pick a step's group, read its members side by side, tokens coloured by author,
 agent tokens shaded by advantage (green above 0, red below). Notebooks show trajectories with the same
 template (`trajectories_html`). A missing file, a half-written last line (a run killed mid-write) or a run
@@ -159,12 +159,21 @@ def report_html(run_dir):
     last_step = max([metrics.get("step", 0) for metrics in history], default=0)
     if args.get("steps") and last_step < args["steps"]:
         problems.append(f"step {last_step} of {args['steps']} logged: the run is still going, or stopped early")
-    warned = [metrics.get("step") for metrics in history if metrics.get("echo_trap_warnings")]
-    curves = {title: curves_png(history, names, warned) for title, names in CURVES.items()
-              if any(name in metrics for metrics in history for name in names)}
+    fired = {}  # signal -> the steps it warned at (a run logged before signals were named: "unnamed")
+    for metrics in history:
+        signals = metrics.get("echo_trap_warnings") or []
+        for signal in signals if isinstance(signals, list) else ["unnamed"]:
+            fired.setdefault(signal, []).append(metrics.get("step"))
+    warned = sorted({step for steps in fired.values() for step in steps})
+    # A curve at 0 every step is left out and named: often 0 by construction (the page says which).
+    flat = [name for names in CURVES.values() for name in names
+            if any(name in metrics for metrics in history) and all(metrics.get(name, 0) == 0 for metrics in history)]
+    plotted = {title: [name for name in names if name not in flat and any(name in metrics for metrics in history)]
+               for title, names in CURVES.items()}
+    curves = {title: curves_png(history, names, warned) for title, names in plotted.items() if names}
     groups = trajectory_groups(records)
     return TEMPLATE.render(
-        page=True, run_dir=run_dir.resolve().name, args=args, problems=problems, curves=curves, warned=warned,
+        page=True, run_dir=run_dir.resolve().name, args=args, problems=problems, curves=curves, fired=fired, flat=flat,
         evals=[(metrics.get("step"), metrics["eval_success"]) for metrics in history if "eval_success" in metrics],
         wall_s=max([metrics.get("elapsed_s", 0) for metrics in history], default=None), groups=groups,
         group_count=len({(record.get("step"), record.get("group")) for record in records}))

@@ -76,7 +76,8 @@ def hand_made_run(run_dir, records, steps=3, logged=3):
     history = [{"step": 0, "eval_success": 0.25}]
     for step in range(1, logged + 1):
         history.append({"step": step, "reward": 0.1 * step, "success": 0.2, "turns": 2.0, "policy_loss": 0.01,
-                        "group_reward_std": 0.3, "elapsed_s": 10.0 * step, "echo_trap_warnings": int(step == 3)})
+                        "group_reward_std": 0.3, "elapsed_s": 10.0 * step, "approx_kl": 0.0,
+                        "echo_trap_warnings": ["collapse"] if step == 3 else []})
     history[-1]["eval_success"] = 0.75
     report.append_jsonl(run_dir / "metrics.jsonl", history)
     report.append_jsonl(run_dir / report.TRAJECTORIES, records)
@@ -87,7 +88,8 @@ def test_the_page_of_a_hand_made_run(tmp_path, demo_group):
     _, _, records = demo_group
     page = report.report_html(hand_made_run(tmp_path / "run", records))
     assert "step 0: <b>0.250</b> · step 3: <b>0.750</b>" in page and "Wall time: 30 s" in page
-    assert "Echo-Trap warnings at 1 step(s)" in page
+    assert "Echo-Trap warning <b>collapse</b> at 1 step(s), from step 3" in page
+    assert "Not plotted, 0 at every step: approx_kl (" in page  # GRPO's single update: flat by construction
     assert page.count('<img alt="') == 4  # outcome, behaviour, optimisation, signal
     assert page.count('class="trajectory ') == 2 and "step 7 · group 0 · 2/2 succeeded" in page
     assert '<code>search({"query": "Echo"})</code>' in page and "→ Echo: born in Daisy." in page
