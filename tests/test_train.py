@@ -514,17 +514,17 @@ def test_resume_after_lost_steps_logs_each_step_once(tmp_path):
 
 
 def test_grpo_learns_synthetic_multi_hop_qa(tmp_path):
-    # train.py's main job, 40 steps after its default warm-up. Whether RL takes off from the weak agent depends on
-    # the warm-up's seed, and the warm-up's float sums differ between CPU kinds and thread counts. Measured over 8
-    # seeds, one thread (docs/performance.md, 2026-11-26, AVX-512): RL took off from 6 (held-out 0.63-0.95 at step
-    # 40), and from 6, 4 and 3 of 8 in three other float orders; the others stayed near 0, every start below 0.07.
-    # So the test tries seeds until one learns, at most 8: all 8 failing on a CPU has less than 1 chance in 40 at
-    # the lowest take-off rate seen, 3 in 8. It starts with train.py's default seed, whose warm-up notebook 04 caches.
+    # train.py's main job, 40 steps after its default warm-up (flawed demonstrations at the env's mistake rate 0.4).
+    # Measured over 10 seeds x 2 float orders, two threads (docs/results.md, "The main job over seeds", 2026-11-27,
+    # AMD EPYC, native AVX-512 kernels and ATEN_CPU_CAPABILITY=avx2): held-out 0.039-0.227 at step 0; at step 40
+    # 0.719-0.953 in 17 of 20 runs, near 0 in 3 (two never took off, one was collapsed and came back). The test tries
+    # seeds until one learns, at most 3 (all 3 failing: about 1 chance in 300 at that rate); it starts with
+    # train.py's default seed, whose warm-up notebook 04 caches.
     ends = []
-    for seed in ["3", "4", "5", "6", "7", "8", "9", "10"]:
+    for seed in ["3", "4", "5"]:
         _, history = train.main(["--seed", seed, "--steps", "40", "--eval_every", "40", "--eval_episodes", "128",
                                  "--out_dir", str(tmp_path / seed)])
-        assert history[0]["eval_success"] < 0.15  # the warm-up leaves a weak agent
+        assert history[0]["eval_success"] < 0.3  # the warm-up leaves a weak agent
         ends.append(history[-1]["eval_success"])
         if ends[-1] > 0.5:  # held-out seeds: GRPO learned to chain the two searches
             break
