@@ -46,10 +46,11 @@ def test_tiny_models_by_name_and_the_envs_defaults(tmp_path, monkeypatch):
     layers = [AutoConfig.from_pretrained(path).num_hidden_layers for path in (tiny, deep)]
     assert layers == [2, 4] and AutoTokenizer.from_pretrained(deep).get_vocab() == tiny_tokenizer().get_vocab()
     compute, default = train.get_args(["--env", "compute"]), train.get_args([])
-    # the env's train_defaults, then train.py's own
+    # the env's train_defaults, then train.py's own (the default env, synthetic QA, sets its warm-up's mistake rate)
     fields = ["model", "max_new_tokens", "lr", "warmup_lr", "warmup_mistake_rate"]
     assert [getattr(compute, name) for name in fields] == ["tiny-deep", 96, 5e-4, 1e-3, 0.85]
-    assert [getattr(default, name) for name in fields] == ["tiny", 32, 1e-3, 1e-3, 0.6]
+    assert [getattr(default, name) for name in fields] == ["tiny", 32, 1e-3, 1e-3, 0.4]
+    assert train.get_args(["--env", "bandit"]).warmup_mistake_rate == 0.6  # an env without one: train.py's
     assert train.get_args(["--env", "compute", "--model", "tiny", "--lr", "1e-3"]).model == "tiny"  # flags win
 
 
