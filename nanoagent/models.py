@@ -226,7 +226,8 @@ def save_tiny_model(path, seed=0, **shape):
 def sdpa_grouped(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
     """transformers' "sdpa" attention, except on the CPU with a padding mask: there PyTorch reads the key/value heads
     that several query heads share (grouped-query attention) in place, where transformers copies each once per query
-    head, as CUDA's masked kernels need: the same outputs, without copying the KV cache at every decode step."""
+    head, as CUDA's masked kernels need: the same outputs, without copying the KV cache at every decode step. (On a
+    GPU the TorchSampler's static decode step attends with sampler.grouped_decode_attention instead.)"""
     if query.device.type != "cpu" or attention_mask is None:
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout, scaling, **kwargs)
     output = torch.nn.functional.scaled_dot_product_attention(query, key, value, attn_mask=attention_mask,

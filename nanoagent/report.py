@@ -121,9 +121,8 @@ def read_jsonl(path, problems):
 
 
 def curves_png(history, names, warned_steps):
-    """One row of small plots, one per metric of `names` the history holds, as base64 PNG; a dotted red line
-    at every step with an Echo-Trap warning."""
-    names = [name for name in names if any(name in metrics for metrics in history)]
+    """One row of small plots, one per metric of `names` (each logged at some step), as base64 PNG; a dotted red
+    line at every step with an Echo-Trap warning."""
     figure = Figure(figsize=(2.2 * len(names), 1.9), dpi=90, layout="constrained")
     for axes, name in zip(figure.subplots(1, len(names), squeeze=False)[0], names):
         steps, values = zip(*[(metrics.get("step"), metrics[name]) for metrics in history if name in metrics])
@@ -166,9 +165,10 @@ def report_html(run_dir):
             fired.setdefault(signal, []).append(metrics.get("step"))
     warned = sorted({step for steps in fired.values() for step in steps})
     # A curve at 0 every step is left out and named: often 0 by construction (the page says which).
+    logged = {name for metrics in history for name in metrics}
     flat = [name for names in CURVES.values() for name in names
-            if any(name in metrics for metrics in history) and all(metrics.get(name, 0) == 0 for metrics in history)]
-    plotted = {title: [name for name in names if name not in flat and any(name in metrics for metrics in history)]
+            if name in logged and all(metrics.get(name, 0) == 0 for metrics in history)]
+    plotted = {title: [name for name in names if name in logged and name not in flat]
                for title, names in CURVES.items()}
     curves = {title: curves_png(history, names, warned) for title, names in plotted.items() if names}
     groups = trajectory_groups(records)
