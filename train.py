@@ -42,6 +42,7 @@ import envs
 import masks
 import rollout
 import sft
+from serve import Server
 from nanoagent.checkpoint import (finish_checkpoint, latest_checkpoint, load_trainer_state, load_training_states,
                                   save_checkpoint)
 from nanoagent.common import (UserError, autodetect_device_type, autodetect_dtype, compute_cleanup, compute_init,
@@ -52,7 +53,6 @@ from nanoagent.parallel import (clip_gradients, forward_through_root, gather_obj
                                 sum_over_ranks, sums_over_ranks)
 from nanoagent.report import TRAJECTORIES, append_jsonl, trajectory_records
 from nanoagent.sampler import TorchSampler
-from nanoagent.serve import Server
 
 # -----------------------------------------------------------------------------
 # Flags
@@ -87,7 +87,7 @@ def get_args(argv=None):
         "(python -m nanoagent.retrieval build) or a server URL http://host:port/retrieve")
     add("--max_turns", type=int, default=4)
     add("--agent", help="a program that plays one episode through an OpenAI-compatible endpoint instead of --env, "
-        "e.g. 'python examples/multihop_agent.py' (nanoagent/serve.py: its environment and how it reports)")
+        "e.g. 'python examples/multihop_agent.py' (serve.py: its environment and how it reports)")
     add("--agent_timeout", type=float, default=300, help="--agent: seconds a step's programs may run, then killed")
     # Rollout
     add("--prompts_per_step", type=int, default=8, help="env seeds per step, over all ranks")

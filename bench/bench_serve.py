@@ -1,5 +1,5 @@
 """
-64 agent episodes through the OpenAI-compatible endpoint (nanoagent/serve.py) against rollout() on the same task:
+64 agent episodes through the OpenAI-compatible endpoint (serve.py) against rollout() on the same task:
 the synthetic multi-hop QA with the warmed-up tiny model that `python train.py` starts RL from, 8 seeds x 8
 episodes, at most 4 turns of 32 tokens, temperature 1.
 
@@ -30,7 +30,7 @@ import rollout  # noqa: E402
 import train  # noqa: E402
 from nanoagent.models import load_model  # noqa: E402
 from nanoagent.sampler import TorchSampler  # noqa: E402
-from nanoagent.serve import Server  # noqa: E402
+from serve import Server  # noqa: E402
 
 
 class Counting:

@@ -1,7 +1,7 @@
 """
 An agent written the way agents are written: a loop over the official `openai` client's chat completions with
 one tool. Nothing here knows about nanoagent. Point it at any OpenAI-compatible server, or let train.py train
-it through nanoagent's endpoint (nanoagent/serve.py), which runs it once per episode:
+it through nanoagent's endpoint (serve.py), which runs it once per episode:
 
     python train.py --agent "python examples/multihop_agent.py"        # learns on CPU (docs/results.md)
     OPENAI_BASE_URL=http://127.0.0.1:8000/v1 OPENAI_API_KEY=none python examples/multihop_agent.py

@@ -1,4 +1,4 @@
-"""nanoagent/serve.py with the real `openai` client against a real server on localhost: token-exact trajectories,
+"""serve.py with the real `openai` client against a real server on localhost: token-exact trajectories,
 tool calls, batching of concurrent conversations, OpenAI-style errors, episodes played by outside programs."""
 
 import http.client
@@ -17,7 +17,7 @@ from nanoagent.common import UserError
 from nanoagent.models import tiny_model, tiny_tokenizer
 from nanoagent.report import trajectory_records
 from nanoagent.sampler import TorchSampler
-from nanoagent.serve import Server
+from serve import Server
 from rollout import encode_chat, observation_tokens, render
 from tests.test_rollout import REPLIES, ScriptedSampler, scripted_replies
 
@@ -50,6 +50,10 @@ def serving(sampler, tokenizer, **options):
     return server, openai.OpenAI(base_url=f"{server.url}/v1", api_key="none", max_retries=0)
 
 
+def conversations_of(server, episode):
+    return [conversation for conversation in server.conversations if conversation.episode == episode]
+
+
 def test_tool_calls_come_back_as_openai_tool_calls_and_the_trajectory_is_the_sampled_tokens():
     tokenizer = tiny_tokenizer()
     replies = scripted_replies(tokenizer)  # a tool call, "Let me think.", an answer: each ends with <|im_end|>
@@ -67,7 +71,7 @@ def test_tool_calls_come_back_as_openai_tool_calls_and_the_trajectory_is_the_sam
     messages += [second.choices[0].message, {"role": "user", "content": "Please answer."}]
     third = client.chat.completions.create(model="m", messages=messages, tools=CALCULATOR, extra_body={"top_k": 5})
     assert third.choices[0].message.content == REPLIES[2]
-    [conversation] = server.take("")
+    [conversation] = conversations_of(server, "")
     server.close()
     trajectory = conversation.trajectory
     # The template's rendering of the conversation with the sampled texts: rollout()'s tokens for the same turns.
@@ -100,7 +104,7 @@ def test_the_trajectory_holds_exactly_what_the_torch_sampler_returned(tiny):
     for turn in range(3):
         reply = client.chat.completions.create(model="m", messages=messages, tools=CALCULATOR, seed=turn)
         messages += [reply.choices[0].message, {"role": "user", "content": f"Go on {turn}."}]
-    [conversation] = server.take("")
+    [conversation] = conversations_of(server, "")
     server.close()
     trajectory, position = conversation.trajectory, 0
     for turn, (prompts, generations) in enumerate(sampler.calls):
@@ -127,11 +131,11 @@ def test_a_history_that_does_not_extend_the_sampled_one_starts_a_new_segment():
     edited = [*OPENING, {"role": "assistant", "content": "I will just guess."}, {"role": "user", "content": "Go."}]
     episode.chat.completions.create(model="m", messages=edited, tools=CALCULATOR)
     client.chat.completions.create(model="m", messages=OPENING, tools=CALCULATOR)  # another conversation, not ep. 7's
-    segments = server.take("7")
+    segments = conversations_of(server, "7")
     assert [c.trajectory.info["segment"] for c in segments] == [0, 1] and first.tool_calls
     assert segments[1].trajectory.prompt_length == len(encode_chat(tokenizer, edited, CALCULATOR,
                                                                    add_generation_prompt=True))
-    assert len(server.take("")) == 1
+    assert len(conversations_of(server, "")) == 1
     server.close()
 
 
@@ -180,7 +184,7 @@ def test_64_concurrent_conversations_complete_in_shared_sampler_calls(tiny):
 
     with ThreadPoolExecutor(64) as pool:
         replies = list(pool.map(conversation, range(64)))
-    conversations = server.take("")
+    conversations = conversations_of(server, "")
     server.close()
     assert len(replies) == 64 and len(conversations) == 64
     assert all(c.trajectory.num_turns == 2 for c in conversations)
@@ -252,14 +256,23 @@ def test_the_example_agent_draws_the_tasks_of_synthetic_qa():
             assert env.tools["search"].function(name) == multihop_agent.search(name, facts)
 
 
-def test_train_takes_its_episodes_from_the_agent_program(tmp_path):
+def test_train_takes_its_episodes_from_the_agent_program_and_resumes_as_an_unbroken_run(tmp_path):
     import train
     from nanoagent.report import TRAJECTORIES, read_jsonl
-    policy, history = train.main(["--agent", f"{sys.executable} {EXAMPLE_AGENT}", "--model", "tiny",
-                                  "--warmup_steps", "0", "--steps", "1", "--prompts_per_step", "2", "--group_size", "2",
-                                  "--eval_every", "0", "--out_dir", str(tmp_path / "run")])
-    assert history[-1]["step"] == 1 and history[-1]["kept_trajectories"] == 4
-    assert history[-1]["logprob_mismatch"] < 1e-4  # the endpoint's log-probs are the policy's
-    records = read_jsonl(tmp_path / "run" / TRAJECTORIES, [])
-    assert len(records) == 2 and {record["seed"] for record in records} == {0}  # the first group's two members
+    # The main job's warm-up (cached): groups whose rewards differ, so the weights move at each step.
+    flags = ["--agent", f"{sys.executable} {EXAMPLE_AGENT}", "--prompts_per_step", "4", "--group_size", "4",
+             "--eval_every", "2", "--eval_episodes", "2", "--save_every", "1"]
+    straight, history = train.main(flags + ["--steps", "2", "--out_dir", str(tmp_path / "straight")])
+    assert [h["step"] for h in history] == [0, 1, 2] and history[1]["kept_trajectories"] == 16
+    assert history[2]["group_reward_std"] > 0  # the resumed step moves the weights
+    assert history[1]["logprob_mismatch"] < 1e-4  # the endpoint's log-probs are the policy's
+    records = read_jsonl(tmp_path / "straight" / TRAJECTORIES, [])
+    assert {record["seed"] for record in records if record["step"] == 1} == {0}  # the first group's two members
     assert "agent" in records[0]["tokens"]["author"]
+    # Broken after step 1 and resumed: the same episodes (their ids and sampling seeds come from the step), the
+    # same weights.
+    train.main(flags + ["--steps", "1", "--out_dir", str(tmp_path / "broken")])
+    resumed, again = train.main(flags + ["--steps", "2", "--out_dir", str(tmp_path / "broken"), "--resume"])
+    assert [h.get("success") for h in again] == [h.get("success") for h in history]
+    for name, tensor in resumed.state_dict().items():
+        assert torch.allclose(tensor, straight.state_dict()[name], atol=1e-6), name

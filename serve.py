@@ -1,7 +1,7 @@
 """
 Serve the policy behind an OpenAI-compatible endpoint, and record what it samples as trajectories.
 
-    python -m nanoagent.serve --model runs/default/step_000100 --port 8000  # Ctrl-C: runs/served/trajectories.jsonl
+    python serve.py --model runs/default/step_000100 --port 8000   # Ctrl-C: runs/served/trajectories.jsonl
     OPENAI_BASE_URL=http://127.0.0.1:8000/v1 OPENAI_API_KEY=none python my_agent.py   # any agent, unchanged
 
 Agents are mostly written already, as loops over the `openai` client, so the policy answers `POST
@@ -52,11 +52,7 @@ ROLES = ("system", "user", "assistant", "tool")
 
 
 class RequestError(ValueError):
-    """A request the endpoint refuses (400), with OpenAI's error code."""
-
-    def __init__(self, message, code=None):
-        super().__init__(message)
-        self.code = code
+    """A request the endpoint refuses: a 400, with OpenAI's error code (args[1]) where it has one."""
 
 
 def read_messages(messages):
@@ -74,13 +70,13 @@ def read_messages(messages):
         read.append({"role": role, "content": message.get("content") or ""})
         if role == "assistant":
             try:
-                calls = [(call.get("id"), call["function"]["name"], json.loads(call["function"]["arguments"]))
+                calls = [(call.get("id"), {"name": call["function"]["name"],
+                                           "arguments": json.loads(call["function"]["arguments"])})
                          for call in message.get("tool_calls") or []]
             except (KeyError, TypeError, AttributeError, ValueError) as problem:
                 raise RequestError(f"messages[{index}]: malformed tool_calls ({problem!r})") from problem
-            read[-1].update({"tool_calls": [{"name": name, "arguments": arguments} for _, name, arguments in calls]}
-                            if calls else {})
-            call_ids = {call_id for call_id, _, _ in calls}
+            read[-1].update({"tool_calls": [call for _, call in calls]} if calls else {})
+            call_ids = {call_id for call_id, _ in calls}
         if role == "tool" and message.get("tool_call_id") not in call_ids:
             raise RequestError(f"messages[{index}]: tool message with tool_call_id {message.get('tool_call_id')!r} "
                                "answers no tool call of the assistant turn before it")
@@ -107,7 +103,7 @@ class Server:
         self.end_of_turn = tokenizer.convert_tokens_to_ids(rollout.END_OF_TURN)
         self.stop_token_ids = [tokenizer.convert_tokens_to_ids(token) for token in rollout.STOP_TOKENS]
         self.conversations, self.lock, self.turns = [], threading.Lock(), queue.Queue()
-        self.sample_seed, self.plays = 0, 0
+        self.sample_seed, self.plays, self.seed_keys = 0, 0, {}  # play's: its step's seed, its calls, {id: key}
         self.http = HTTPServer((host, port), Handler)
         self.http.endpoint, self.url = self, f"http://{host}:{self.http.server_address[1]}"
         threading.Thread(target=self.sample_batches, daemon=True).start()
@@ -169,9 +165,10 @@ class Server:
             length = len(history) + len(new_tokens)
             if length >= self.max_total_tokens:
                 raise RequestError(f"the conversation is {length} tokens, the context budget {self.max_total_tokens}",
-                                   code="context_length_exceeded")
+                                   "context_length_exceeded")
             seed = body["seed"] if body.get("seed") is not None else rollout.sample_seed_for(
-                self.sample_seed, episode, segment, conversation.trajectory.num_turns if conversation else 0)
+                self.sample_seed, self.seed_keys.get(episode, episode), segment,
+                conversation.trajectory.num_turns if conversation else 0)
             temperature = self.temperature if self.temperature is not None else body.get("temperature", 1.0)
             done = Future()
             self.turns.put((history + new_tokens, min(limit, self.max_total_tokens - length), temperature, seed, done))
@@ -218,60 +215,62 @@ class Server:
             {"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
              "function": {"name": call.name, "arguments": json.dumps(call.arguments)}} for call in calls]}, "tool_calls"
 
-    def take(self, episode):
-        """The conversations (segments) of an episode, in order, forgotten here."""
-        with self.lock:
-            taken = [c for c in self.conversations if c.episode == episode]
-            self.conversations = [c for c in self.conversations if c.episode != episode]
-        return taken
-
-    def play_one(self, program, episode, seed, timeout_s):
-        """Run `program` for one episode of task `seed`: (its conversations, its report) or (None, why it failed)."""
+    def play_one(self, program, episode, group_id, seed, timeout_s):
+        """Run `program` for one episode of task `seed`: the trajectories of its conversations (segments), with
+        the reward it reported, or why it failed (a string). Its conversations are forgotten here either way."""
         environment = {**os.environ, "OPENAI_BASE_URL": f"{self.url}/episodes/{episode}/v1",
                        "OPENAI_API_KEY": "nanoagent", "NANOAGENT_TASK_SEED": str(seed), "NANOAGENT_EPISODE_ID": episode}
         try:  # subprocess.run kills the program at the time-out
             done = subprocess.run(shlex.split(program), env=environment, capture_output=True, text=True,
                                   timeout=timeout_s)
-            report = json.loads((done.stdout.strip().splitlines() or [""])[-1]) if done.returncode == 0 else None
-            assert done.returncode == 0, f"exit code {done.returncode}: {done.stderr.strip()[-300:]}"
-            assert isinstance(report, dict) and isinstance(report.get("reward"), (int, float)), "no reward reported"
-            conversations = self.take(episode)
-            assert conversations, "it made no request"
-            return conversations, report
         except subprocess.TimeoutExpired:
-            return None, f"ran past {timeout_s}s and was killed"
+            return f"ran past {timeout_s}s and was killed"
         except OSError as problem:
-            return None, f"could not start: {problem}"
-        except (AssertionError, ValueError) as problem:
-            return None, f"{problem}; its last line: {(done.stdout.strip().splitlines() or [''])[-1][-200:]!r}"
+            return f"could not start: {problem}"
         finally:
-            self.take(episode)  # a failed program's half-played conversations go too
+            with self.lock:
+                trajectories = [c.trajectory for c in self.conversations if c.episode == episode]
+                self.conversations = [c for c in self.conversations if c.episode != episode]
+        last_line = (done.stdout.strip().splitlines() or [""])[-1]
+        try:
+            report = json.loads(last_line)
+            reward = float(report["reward"])
+        except (ValueError, KeyError, TypeError):
+            reward = None
+        if done.returncode != 0 or reward is None or not trajectories:
+            why = (f"exit code {done.returncode}: {done.stderr.strip()[-300:]}" if done.returncode != 0 else
+                   "no reward reported" if reward is None else "it made no request")
+            return f"{why}; its last line: {last_line[-200:]!r}"
+        for trajectory in trajectories:
+            trajectory.turn_rewards[-1] = trajectory.score = reward
+            trajectory.group_id, trajectory.seed = group_id, seed
+            trajectory.info.update(success=bool(report.get("success")),
+                                   tool_calls=sum(info["tool_calls"] for info in trajectory.turn_infos),
+                                   invalid_calls=sum(info["invalid_calls"] for info in trajectory.turn_infos))
+        return trajectories
 
     def play(self, program, seeds, group_size, timeout_s, sample_seed=0):
         """Run `program` (a command line) group_size times for each task seed, all at once; returns the
         trajectories of the groups whose every member reported a reward, group_id the seed's index."""
-        self.sample_seed, self.plays = sample_seed, self.plays + 1
         episodes = [(group_id, seed) for group_id, seed in enumerate(seeds) for _ in range(group_size)]
-        with ThreadPoolExecutor(len(episodes)) as pool:  # episode ids: new ones each call, so no straggler joins
-            results = list(pool.map(lambda index: self.play_one(program, f"{self.plays}.{index}", episodes[index][1],
-                                                                timeout_s), range(len(episodes))))
-        trajectories, dropped = [], {}
-        for (group_id, seed), (conversations, report) in zip(episodes, results):
-            if conversations is None:
-                dropped.setdefault(group_id, f"group {group_id} (seed {seed}) dropped: an episode failed ({report})")
-                continue
-            for trajectory in (conversation.trajectory for conversation in conversations):
-                trajectory.turn_rewards[-1] = trajectory.score = float(report["reward"])
-                trajectory.group_id, trajectory.seed = group_id, seed
-                trajectory.info.update(success=bool(report.get("success")),
-                                       tool_calls=sum(info["tool_calls"] for info in trajectory.turn_infos),
-                                       invalid_calls=sum(info["invalid_calls"] for info in trajectory.turn_infos))
-                trajectories.append(trajectory)
+        # Episode ids new at each call, so a killed program's late request joins no later episode; sampling seeds
+        # from the step's and the episode's place in it, so a resumed run samples what an unbroken one would.
+        self.sample_seed, self.plays = sample_seed, self.plays + 1
+        ids = [f"{self.plays}.{index}" for index in range(len(episodes))]
+        self.seed_keys = {episode: str(index) for index, episode in enumerate(ids)}
+        with ThreadPoolExecutor(len(episodes)) as pool:
+            results = list(pool.map(lambda index: self.play_one(program, ids[index], *episodes[index], timeout_s),
+                                    range(len(episodes))))
+        dropped = {}
+        for (group_id, seed), result in zip(episodes, results):
+            if isinstance(result, str):
+                dropped.setdefault(group_id, f"group {group_id} (seed {seed}) dropped: an episode failed ({result})")
         for why in dropped.values():
             print0(why)
         if len(dropped) == len(seeds):
             raise UserError(f"every group was dropped (the log above says why): {program!r}")
-        return [trajectory for trajectory in trajectories if trajectory.group_id not in dropped]
+        return [trajectory for (group_id, _), result in zip(episodes, results) if group_id not in dropped
+                for trajectory in result]
 
     def close(self):
         """Stop answering and free the port."""
@@ -309,7 +308,7 @@ class Handler(BaseHTTPRequestHandler):
                 raise RequestError("the body must be a JSON object", "invalid_json")
             self.send_json(200, self.server.endpoint.complete(episode, request))
         except ValueError as problem:  # a RequestError, or json's
-            self.send_json(400, error(str(problem), getattr(problem, "code", "invalid_json")))
+            self.send_json(400, error(problem.args[0], problem.args[1] if len(problem.args) > 1 else "invalid_json"))
         except Exception as problem:  # a bug or a sampler failure: this request fails, the server goes on
             self.log_error("%r", problem)
             self.send_json(500, error(f"the server failed: {problem!r}", "server_error"))
