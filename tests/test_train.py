@@ -531,21 +531,24 @@ def test_grpo_learns_synthetic_multi_hop_qa(tmp_path):
     assert ends[-1] > 0.5, f"no seed learned: held-out success at step 40 {ends}"
 
 
-def test_grpo_learns_to_compute_with_the_python_tool(tmp_path, single_thread):
+def test_grpo_learns_to_compute_with_the_python_tool(tmp_path):
     # The compute task's recipe (its train_defaults: the 4-layer tiny-deep model, lr 5e-4, warm-up lr 1e-3) on digit
     # sums alone, with a warm-up short enough for CI: 700 correct steps, then 300 in which each copy (the question's
     # numbers into the program, the printed number into the answer) goes wrong at the env's rate 0.85. Every RL
     # episode runs its program in the sandbox. From one warm-up, RL is chaotic in its seed and the float order: it
-    # sharpens the copying (held-out +0.24 to +0.51 by step 8 to 12, measured), and in some runs one update then
-    # teaches every member of a group the same wrong token (a program with one ")" too many: success falls to 0, and
-    # GRPO, seeing no contrast, cannot climb back), at step 3 in one float order, 12 in another; and once a warm-up
-    # (seed 1, one float order) left nothing to sharpen. So the test tries RL seeds until one learns, at most 3, each
-    # 12 steps with held-out evals at steps 4, 8 and 12, two from seed 0's warm-up and the last from seed 1's; a run
-    # learns when an eval gains more than 0.15 on step 0's. Spread: docs/results.md, "The compute test".
+    # sharpens the copying (held-out +0.24 to +0.51 by step 8 to 12 in 15 of the 18 runs measured), and in some runs
+    # one update then teaches every member of a group the same wrong token (a program with one ")" too many, or a
+    # third call: success falls to 0, and GRPO, seeing no contrast, cannot climb back); and a warm-up can leave
+    # little to sharpen in one float order (seed 1's with AVX2 kernels, seed 0's with ATEN_CPU_CAPABILITY=default).
+    # So the test tries RL seeds until one learns, at most 3, each 12 steps with held-out evals at steps 4, 8 and
+    # 12, two from seed 0's warm-up and the last from seed 1's; a run learns when an eval gains more than 0.15 on
+    # step 0's. In each of the 4 float orders measured (AVX-512 with one and two threads, AVX2, default) one of the
+    # 3 tries learned. It runs on the machine's threads (two on CI's 2 cores; one thread takes 1.4x as long).
+    # Spread: docs/results.md, "The compute test".
     compute = ["--env", "compute", "--env_options", '{"kinds": ["digit_sum"]}', "--warmup_clean_steps", "700",
                "--warmup_steps", "300"]
     gains = []
-    for warm_up_seed, seed in [("0", "0"), ("0", "1"), ("1", "1")]:
+    for warm_up_seed, seed in [("0", "0"), ("0", "1"), ("1", "2")]:
         warmed_up = train.warm_up(train.get_args(compute + ["--seed", warm_up_seed]))  # cached after its first try
         _, history = train.main(compute + ["--model", str(warmed_up), "--warmup_steps", "0", "--seed", seed,
                                            "--steps", "12", "--eval_every", "4",
