@@ -3,6 +3,7 @@ tool calls, batching of concurrent conversations, OpenAI-style errors, episodes 
 
 import http.client
 import json
+import shutil
 import socket
 import sys
 from concurrent.futures import ThreadPoolExecutor
@@ -269,9 +270,10 @@ def test_train_takes_its_episodes_from_the_agent_program_and_resumes_as_an_unbro
     records = read_jsonl(tmp_path / "straight" / TRAJECTORIES, [])
     assert {record["seed"] for record in records if record["step"] == 1} == {0}  # the first group's two members
     assert "agent" in records[0]["tokens"]["author"]
-    # Broken after step 1 and resumed: the same episodes (their ids and sampling seeds come from the step), the
-    # same weights.
-    train.main(flags + ["--steps", "1", "--out_dir", str(tmp_path / "broken")])
+    # Broken after step 1 (its checkpoint the last) and resumed: the same episodes (their sampling seeds come from
+    # the step), the same weights.
+    shutil.copytree(tmp_path / "straight", tmp_path / "broken")
+    shutil.rmtree(tmp_path / "broken" / "step_000002")
     resumed, again = train.main(flags + ["--steps", "2", "--out_dir", str(tmp_path / "broken"), "--resume"])
     assert [h.get("success") for h in again] == [h.get("success") for h in history]
     for name, tensor in resumed.state_dict().items():
