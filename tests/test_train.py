@@ -543,7 +543,7 @@ def test_grpo_learns_to_compute_with_the_python_tool(tmp_path):
     # So the test tries RL seeds until one learns, at most 3, each 12 steps with held-out evals at steps 4, 8 and
     # 12, two from seed 0's warm-up and the last from seed 1's; a run learns when an eval gains more than 0.15 on
     # step 0's. In each of the 4 float orders measured (AVX-512 with one and two threads, AVX2, default) one of the
-    # 3 tries learned. It runs on the machine's threads (two on CI's 2 cores; one thread takes 1.4x as long).
+    # 3 tries learned. It runs on the machine's threads (two on CI's 2 cores; the warm-up takes 1.4x as long on one).
     # Spread: docs/results.md, "The compute test".
     compute = ["--env", "compute", "--env_options", '{"kinds": ["digit_sum"]}', "--warmup_clean_steps", "700",
                "--warmup_steps", "300"]
