@@ -234,9 +234,10 @@ class Server:
         last_line = (done.stdout.strip().splitlines() or [""])[-1]
         try:
             report = json.loads(last_line)
-            reward = float(report["reward"])
-        except (ValueError, KeyError, TypeError):
-            reward = None
+        except ValueError:
+            report = None
+        reward = report.get("reward") if isinstance(report, dict) else None
+        reward = float(reward) if isinstance(reward, (int, float)) else None  # a JSON number, as documented
         if done.returncode != 0 or reward is None or not trajectories:
             why = (f"exit code {done.returncode}: {done.stderr.strip()[-300:]}" if done.returncode != 0 else
                    "no reward reported" if reward is None else "it made no request")
