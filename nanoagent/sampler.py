@@ -416,7 +416,7 @@ class VLLMSampler:
 
     def generate(self, prompts, max_new_tokens, temperature=1.0, top_p=1.0, stop_token_ids=(), seed=0):
         """Same contract as TorchSampler.generate."""
-        assert not self.sleeping, "the vLLM engine is asleep: call update_weights (or wake_up) first"
+        assert not self.sleeping, "the vLLM engine is asleep: call update_weights first"
         max_new_tokens, seeds = per_row(max_new_tokens, len(prompts)), per_row(seed, len(prompts))
         params = [self.vllm.SamplingParams(max_tokens=limit, temperature=temperature, top_p=top_p, seed=row_seed,
                                            stop_token_ids=list(stop_token_ids), logprobs=0, detokenize=False)
@@ -436,11 +436,6 @@ class VLLMSampler:
         """Free GPU memory for the update (level 1: weights offloaded to CPU, KV cache dropped)."""
         self.llm.sleep(level=1)
         self.sleeping = True
-
-    def wake_up(self):
-        """Bring the weights and the KV cache back."""
-        self.llm.wake_up()
-        self.sleeping = False
 
     def close(self):
         """Shut the engine down now. vLLM joins torch.distributed (its own group, or torchrun's) and otherwise
