@@ -17,10 +17,11 @@ without vLLM, `pip install -r requirements-dev.txt` is enough):
 4. the samplers' tokens/s on the GPU (bench/bench_sampler.py): TorchSampler, model.generate, and
    VLLMSampler when vLLM is installed;
 5. the FSDP2 bf16-mixed path on its own: PPO with a critic and a KL reference, activation checkpointing,
-   a checkpoint at step 2 and a resume to step 3 (sharded optimizer state and fp32 masters), FSDP2's
-   warning of a view returned by a sharded root made an error, then the HF checkpoint loaded with
-   AutoModelForCausalLM: tie restored, the head stored once, the sampling train.py used in
-   generation_config.json. Every GPU run takes this path (a single GPU is a 1-rank FSDP2 group).
+   checkpoints at steps 1 and 2 (the second refills the first's pinned staging buffers) and a resume to
+   step 3 (sharded optimizer state and fp32 masters), FSDP2's warning of a view returned by a sharded root
+   made an error, then the HF checkpoint loaded with AutoModelForCausalLM: tie restored, the head stored
+   once, the sampling train.py used in generation_config.json. Every GPU run takes this path (a single GPU
+   is a 1-rank FSDP2 group).
 It ends with one table: each of the above, passed or failed (a failure does not stop the rest).
 The model has Qwen2.5-0.5B's shape (24 layers, width 896) with random weights and the tiny model's
 tokenizer, built here, so nothing is downloaded; it skips the warm-up, so it fails the tasks, and its
@@ -82,7 +83,7 @@ def main():
     with tempfile.TemporaryDirectory() as out_dir:
         fsdp = [sys.executable, "-W", "error:FSDP2-wrapped module:UserWarning", "train.py", "--device", "cuda",
                 "--warmup_steps", "0", "--algo", "ppo", "--kl", "loss", "--activation_checkpointing", "--eval_every",
-                "0", "--save_every", "2", "--out_dir", out_dir]
+                "0", "--save_every", "1", "--out_dir", out_dir]  # step 2's save refills step 1's pinned buffers
         run("FSDP2 bf16 PPO + KL + activation checkpointing, no view warning", fsdp + ["--steps", "2"])
         run("resume: sharded optimizer state and fp32 masters", fsdp + ["--steps", "3", "--resume"])
         load_and_check_the_tie = (

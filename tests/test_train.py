@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 import safetensors.torch
 import torch
+import torch.distributed.checkpoint as dcp
 from peft import PeftModel
 from transformers import AutoModelForCausalLM
 
@@ -434,10 +435,29 @@ def single_thread():
     torch.set_num_threads(threads)
 
 
-def test_resume_gives_the_same_weights_as_an_unbroken_run(tmp_path, single_thread):
-    common = BANDIT + ["--algo", "ppo", "--ppo_epochs", "2", "--minibatch_size", "8", "--save_every", "2"]
+@pytest.fixture
+def kept_staging_buffers(monkeypatch):
+    """A GPU run's checkpoints, on the CPU: the optimizer shards staged into buffers that the run's writer makes at
+    its first save and refills at each later one (checkpoint.SHARD_WRITERS; pinned on a GPU, pinning a no-op here).
+    Yields the writers made."""
+    writers = []
+
+    class Writer(dcp.FileSystemWriter):
+        def __init__(self, path, **kwargs):
+            super().__init__(path, **{**kwargs, "cache_staged_state_dict": True})
+            writers.append(self)
+
+    monkeypatch.setattr(dcp, "FileSystemWriter", Writer)
+    monkeypatch.setattr(torch.Tensor, "pin_memory", lambda self, *args, **kwargs: self)
+    yield writers
+
+
+def test_resume_gives_the_same_weights_as_an_unbroken_run(tmp_path, single_thread, kept_staging_buffers):
+    common = BANDIT + ["--algo", "ppo", "--ppo_epochs", "2", "--minibatch_size", "8", "--save_every", "1"]
     straight, _ = train.main(common + ["--steps", "4", "--out_dir", str(tmp_path / "straight")])
     train.main(common + ["--steps", "2", "--out_dir", str(tmp_path / "broken")])
+    # Resumed from the second save of the broken run's writer: its buffers hold step 2's state, not step 1's.
+    assert len(kept_staging_buffers) == 2 and kept_staging_buffers[1].state_dict_cache is not None
     resumed, history = train.main(common + ["--steps", "4", "--out_dir", str(tmp_path / "broken"), "--resume"])
     assert [h["step"] for h in history] == [1, 2, 3, 4]
     assert all(not h["explained_variance"] > 1 for h in history)  # the critic's diagnostic, logged for PPO
