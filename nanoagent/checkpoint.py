@@ -21,6 +21,7 @@ a background thread writes them; the next save and the end of training wait for 
 """
 
 import copy
+import fcntl
 import functools
 import json
 import os
@@ -84,14 +85,21 @@ def move_into_place(tmp, path):
 
 
 def save_atomically(path, save_fn):
-    """Call save_fn(tmp_dir) on a temporary sibling of `path`, flush it, then rename it to `path`."""
+    """Call save_fn(tmp_dir) on a temporary sibling of `path`, flush it, then rename it to `path`, unless `path`
+    exists: made once, under a lock beside it, so two processes building one cache entry at once (a sweep's runs)
+    neither remove the other's temporary directory nor replace what it loads; the one that waited keeps it."""
     path = Path(path)
-    tmp = temporary_sibling(path)
-    try:
-        save_fn(tmp)
-        move_into_place(tmp, path)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path.parent / f".{path.name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file is closed, or when its process dies
+        if path.exists():
+            return path
+        tmp = temporary_sibling(path)
+        try:
+            save_fn(tmp)
+            move_into_place(tmp, path)
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
     return path
 
 

@@ -710,3 +710,39 @@ def test_a_full_disk_keeps_the_previous_checkpoint_and_stops_with_a_clear_error(
     monkeypatch.undo()
     assert latest_checkpoint(out_dir).name == "step_000002" and not (out_dir / "step_000004").exists()
     assert_resumes_like_the_unbroken_run(out_dir, unbroken_run)
+
+
+# Two processes build one cache entry at once (a sweep's runs on an empty cache): the first is inside its save,
+# the second arrives then (the marker it writes just before calling tells the first to go on half a second later).
+BUILDER = """
+import sys, time
+from pathlib import Path
+from nanoagent.checkpoint import save_atomically
+path, role = Path(sys.argv[1]), sys.argv[2]
+def wait_for(marker):
+    deadline = time.monotonic() + 60
+    while not (path.parent / marker).exists() and time.monotonic() < deadline:
+        time.sleep(0.01)
+def save(directory):
+    (directory / "first_half").write_text(role)
+    (path.parent / "first_inside").touch()
+    wait_for("second_calling")
+    time.sleep(0.5)  # the second process waits for the lock meanwhile (without it, it removed this directory)
+    (directory / "second_half").write_text(role)
+if role == "second":
+    wait_for("first_inside")
+    (path.parent / "second_calling").touch()
+print(save_atomically(path, save))
+"""
+
+
+def test_two_processes_building_one_cache_entry_at_once_both_get_the_first_ones(tmp_path):
+    path, environment = tmp_path / "cache" / "entry", dict(os.environ, PYTHONPATH=str(REPO))
+    builders = [subprocess.Popen([sys.executable, "-c", BUILDER, str(path), role], stdout=subprocess.PIPE,
+                                 stderr=subprocess.PIPE, text=True, cwd=REPO, env=environment)
+                for role in ("first", "second")]
+    results = [builder.communicate(timeout=180) for builder in builders]
+    assert [builder.returncode for builder in builders] == [0, 0], [stderr[-2000:] for _, stderr in results]
+    assert [stdout.strip() for stdout, _ in results] == [str(path)] * 2
+    assert {file.name: file.read_text() for file in path.iterdir()} == {"first_half": "first", "second_half": "first"}
+    assert not list(path.parent.glob(".entry.tmp*"))

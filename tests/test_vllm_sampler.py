@@ -36,7 +36,7 @@ def engine(tmp_path_factory):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from nanoagent.sampler import VLLMSampler
-    path = tmp_path_factory.mktemp("peaked")
+    path = tmp_path_factory.mktemp("peaked") / "model"  # save_tiny_model keeps a directory that exists
     save_tiny_model(path)
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
     # A fresh model is nearly uniform over ~1000 tokens, so two kernels' float noise (~1e-6) can flip a
