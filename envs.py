@@ -696,19 +696,34 @@ class GameEnv:
                 "actions": executed}
         return StepResult([{"role": "user", "content": observation}], reward, self.done, info)
 
+    def demonstration(self, mistake_rate=0.0, rng=None):
+        """Warm-up replies, one a turn, read as the env steps: the optimal next actions (`plan()`)
+        from each turn's state, each swapped for another with probability `mistake_rate`."""
+        rng = rng or random.Random(0)
+        while True:
+            actions = (self.plan() or [rng.choice(self.actions)])[:self.max_actions_per_turn]
+            actions = [rng.choice([a for a in self.actions if a != action])
+                       if rng.random() < mistake_rate else action for action in actions]
+            yield f"<answer>{' || '.join(actions)}</answer>"
 
-def bfs_reachable(start, next_states, is_goal) -> bool:
-    """Breadth-first search: can a state with is_goal(state) be reached from start?"""
-    seen, queue = {start}, deque([start])
+
+def bfs_path(start, successors, is_goal) -> list | None:
+    """Breadth-first search: the fewest actions from `start` to a state with is_goal(state) (None:
+    no way); successors(state) yields (action, next state)."""
+    parents, queue = {start: None}, deque([start])
     while queue:
         state = queue.popleft()
         if is_goal(state):
-            return True
-        for following in next_states(state):
-            if following not in seen:
-                seen.add(following)
+            path = []
+            while parents[state] is not None:
+                state, action = parents[state]
+                path.append(action)
+            return path[::-1]
+        for action, following in successors(state):
+            if following not in parents:
+                parents[following] = (state, action)
                 queue.append(following)
-    return False
+    return None
 
 
 SAFE_ARMS = ["Turtle", "Oak", "Anchor", "Pillow"]  # names hint at the risk, as in RAGEN's bandit
@@ -761,17 +776,22 @@ class FrozenLakeEnv(GameEnv):
     cell but start and goal is a hole with `hole_probability`) and redrawn until a path exists.
     Walking into the edge leaves you in place. With `slippery=True` the intended move happens with
     p = 1/3, else one of the two perpendicular moves (1/3 each), as in Gym's FrozenLake. Reward 1 on
-    reaching the goal; a hole ends the episode with 0."""
+    reaching the goal; a hole ends the episode with 0. One move a turn by default: the next step of
+    a path is what the tiny model learns, and a slip is seen before the next move."""
     rules = "FrozenLake: you are P; walk to the goal G over the ice _ without stepping into a hole O."
     actions = ["Left", "Down", "Right", "Up"]
+    train_defaults = {"max_turns": 8, "warmup_mistake_rate": 0.3}
 
-    def __init__(self, size=4, hole_probability=0.2, slippery=False, **options):
+    def __init__(self, size=4, hole_probability=0.2, slippery=False, max_turns=8,
+                 max_actions_per_turn=1, **options):
         self.size, self.hole_probability, self.slippery = size, hole_probability, slippery
-        super().__init__(**options)
+        super().__init__(max_turns=max_turns, max_actions_per_turn=max_actions_per_turn, **options)
 
-    def neighbours(self, cell):
-        """Cells one deterministic move away, holes excluded (for the solvability check)."""
-        return [c for c in (self.clamp(shifted(cell, action)) for action in MOVES) if c not in self.holes]
+    def successors(self, cell):
+        for action in self.actions:
+            following = self.clamp(shifted(cell, action))
+            if following not in self.holes:
+                yield action, following
 
     def clamp(self, cell):
         return min(max(cell[0], 0), self.size - 1), min(max(cell[1], 0), self.size - 1)
@@ -781,9 +801,33 @@ class FrozenLakeEnv(GameEnv):
         while True:
             self.start, self.goal = rng.sample(cells, 2)
             self.holes = {c for c in cells if c not in (self.start, self.goal) and rng.random() < self.hole_probability}
-            if bfs_reachable(self.start, self.neighbours, lambda cell: cell == self.goal):
+            if self.shortest_path(self.start) is not None:
                 break
         self.player = self.start
+
+    def shortest_path(self, cell):
+        return bfs_path(cell, self.successors, lambda cell: cell == self.goal)
+
+    def reach_probabilities(self, moves):
+        """({cell: the best chance to reach the goal in `moves` moves}, {cell: the best action}),
+        by value iteration."""
+        cells = [(row, column) for row in range(self.size) for column in range(self.size)]
+        chance, best = {cell: float(cell == self.goal) for cell in cells}, {}
+        for _ in range(moves):
+            def action_value(cell, action):
+                ways = (action, *PERPENDICULAR[action]) if self.slippery else (action,)
+                return sum(chance[self.clamp(shifted(cell, way))] for way in ways) / len(ways)
+            best = {cell: max(self.actions, key=lambda action: action_value(cell, action))
+                    for cell in cells}
+            chance = {cell: float(cell == self.goal) if cell == self.goal or cell in self.holes
+                      else action_value(cell, best[cell]) for cell in cells}
+        return chance, best
+
+    def plan(self):
+        """The optimal next actions: the shortest path; with slip, the best action now."""
+        if not self.slippery:
+            return self.shortest_path(self.player)
+        return [self.reach_probabilities(self.max_turns - self.turn)[1][self.player]]
 
     def move(self, action):
         if self.slippery:
@@ -807,6 +851,8 @@ class SokobanEnv(GameEnv):
     rules = ("Sokoban: you are P; push the box X onto the target O. # is a wall, _ is floor. You can push the "
              "box but not pull it. * is the box on the target, + is you on the target.")
     actions = ["Up", "Down", "Left", "Right"]
+    # Five turns of three moves reach 97% of the levels; their grids take 640 tokens.
+    train_defaults = {"max_turns": 5, "max_total_tokens": 640, "warmup_mistake_rate": 0.2}
 
     def __init__(self, size=6, interior_walls=2, step_reward=-0.1, box_on_target_reward=1.0,
                  solved_reward=10.0, max_turns=10, **options):
@@ -833,9 +879,16 @@ class SokobanEnv(GameEnv):
             cells = rng.sample(interior, self.interior_walls + 3)
             self.walls = border | set(cells[3:])
             self.player, self.box, self.target = cells[:3]
-            if bfs_reachable((self.player, self.box), lambda s: {self.transition(*s, a) for a in self.actions},
-                             lambda s: s[1] == self.target):
+            if self.plan() is not None:
                 break
+
+    def plan(self):
+        """The fewest moves that push the box onto the target (None: it is stuck)."""
+        return bfs_path((self.player, self.box), self.successors,
+                        lambda state: state[1] == self.target)
+
+    def successors(self, state):
+        return ((action, self.transition(*state, action)) for action in self.actions)
 
     def move(self, action):
         self.player, box = self.transition(self.player, self.box, action)

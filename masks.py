@@ -39,11 +39,13 @@ was truncated): "put the reward on the last token" would put it on env text and 
 moves such positions back to the nearest preceding agent token, and the estimators assert that no reward
 is left off the mask.
 
-Estimators: GAE (PPO, with a critic), GRPO / Dr.GRPO (group-relative, one score per trajectory),
-REINFORCE++ (discounted return-to-go, whitened over the batch). Plus the masked reductions the loss needs
-(loss aggregation modes, KL estimators), `collate` (rollout's trajectories as the (B, T) tensors the trainer
-reads, masks and placed rewards included). This file imports nothing from the project: rollout.py makes
-trajectories, this file reads them (and nanoagent/report.py shows who wrote what).
+Estimators: GAE (PPO, with a critic), GRPO / Dr.GRPO (group-relative, one score per
+trajectory), GiGPO (GRPO plus a step advantage among the turns that met the same state),
+REINFORCE++ (discounted return-to-go, whitened over the batch). Plus the masked reductions the
+loss needs (loss aggregation modes, KL estimators), `collate` (rollout's trajectories as the
+(B, T) tensors the trainer reads, masks and placed rewards included). This file imports nothing
+from the project: rollout.py makes trajectories, this file reads them (and nanoagent/report.py
+shows who wrote what).
 All per-token tensors are (B, T): B trajectories, T token positions, padding has mask 0.
 """
 
@@ -247,6 +249,66 @@ def grpo_advantages(scores, group_ids, scale_by_std=True, eps=1e-6):
     no_signal = (group_max == group_min)[group_index]  # (N,)
     advantages = centered / (std[group_index] + eps) if scale_by_std else centered
     return torch.where(no_signal, 0.0, advantages)
+
+
+def states_before_turns(messages):
+    """The state each assistant turn acted on: the messages since the turn before (the system
+    prompt left out), as text. A bump into a wall leaves a game's grid, so its state, unchanged."""
+    states, seen = [], []
+    for message in messages:
+        if message["role"] == "assistant":
+            states.append(repr(seen))
+            seen = []
+        elif message["role"] != "system":
+            seen.append(message["content"])
+    return states
+
+
+def anchor_groups(trajectories):
+    """An id per turn of every trajectory: a group's turns that met one state share it."""
+    ids = {}
+    return [ids.setdefault((t.group_id, state), len(ids))
+            for t in trajectories for state in states_before_turns(t.messages)]
+
+
+def gigpo_advantages(trajectories, gamma, omega=1.0, scale_by_std=True):
+    """
+    GiGPO (Feng et al. 2025, arXiv 2505.10978): turn-level credit without a critic. Within a
+    group (one env seed), the turns that acted on one state form an anchor group. A turn's step
+    return is R_k = r_k + γ R_{k+1}; its step advantage is R_k against its anchor group's
+    (grpo_advantages over anchor groups). A turn alone with its state gets 0: with no repeated
+    state this is GRPO. Returns a list per trajectory: A_episode + ω A_step per turn.
+    """
+    scores, group_ids = [t.score for t in trajectories], [t.group_id for t in trajectories]
+    episode = grpo_advantages(scores, group_ids, scale_by_std).tolist()  # (N,)
+    step_returns = []
+    for trajectory in trajectories:
+        returns, step_return = [], 0.0
+        for reward in reversed(trajectory.turn_rewards):
+            step_return = reward + gamma * step_return
+            returns.insert(0, step_return)
+        step_returns += returns
+    anchors = anchor_groups(trajectories)
+    assert len(anchors) == len(step_returns), "one assistant message per turn reward"
+    step = grpo_advantages(step_returns, anchors, scale_by_std).tolist() if step_returns else []
+    per_turn, start = [], 0
+    for trajectory, episode_advantage in zip(trajectories, episode):
+        turns = step[start:start + len(trajectory.turn_rewards)]
+        per_turn.append([episode_advantage + omega * advantage for advantage in turns])
+        start += len(turns)
+    return per_turn
+
+
+def spread_over_turns(turn_values, turn_end_positions, action_mask):
+    """(B, T): turn k's value on each agent token after turn k-1's end, up to turn k's; 0 off
+    the mask."""
+    spread = torch.zeros(action_mask.shape, dtype=torch.float32, device=action_mask.device)
+    for b, (values, ends) in enumerate(zip(turn_values, turn_end_positions)):
+        start = 0
+        for value, end in zip(values, ends):
+            spread[b, start:end + 1] = value
+            start = end + 1
+    return torch.where(action_mask.bool(), spread, 0.0)
 
 
 def reinforce_pp_advantages(token_rewards, action_mask, gamma, global_sum=None):

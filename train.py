@@ -32,6 +32,7 @@ import statistics
 import sys
 import tempfile
 import time
+from collections import Counter
 from pathlib import Path
 
 import torch
@@ -61,8 +62,9 @@ from nanoagent.sampler import TorchSampler
 # no KL, and a critic (PPO). Explicit flags override these.
 STARPO_S = {"algo": "ppo", "filter_ratio": 0.25, "clip_low": 0.2, "clip_high": 0.28, "kl": "none"}
 # The defaults of the flags that StarPO-S or an env (its `train_defaults`, e.g. the compute task's) may change.
-DEFAULTS = {"algo": "grpo", "filter_ratio": 1.0, "clip_low": 0.2, "clip_high": 0.2, "kl": "none", "model": "tiny",
-            "max_new_tokens": 32, "lr": 1e-3, "warmup_mistake_rate": 0.6}
+DEFAULTS = {"algo": "grpo", "filter_ratio": 1.0, "clip_low": 0.2, "clip_high": 0.2, "kl": "none",
+            "model": "tiny", "max_new_tokens": 32, "max_turns": 4, "max_total_tokens": 512,
+            "lr": 1e-3, "warmup_mistake_rate": 0.6}
 
 
 def get_args(argv=None):
@@ -85,7 +87,7 @@ def get_args(argv=None):
     add("--data", help="search_qa, math: Hub name (hotpotqa, gsm8k, ...) or local .json/.jsonl/.parquet")
     add("--retriever", help="search_qa: search a shared corpus, an index directory "
         "(python -m nanoagent.retrieval build) or a server URL http://host:port/retrieve")
-    add("--max_turns", type=int, default=4)
+    add("--max_turns", type=int, help="default: 4, or the env's")
     add("--agent", help="a program that plays one episode through an OpenAI-compatible endpoint instead of --env, "
         "e.g. 'python examples/multihop_agent.py' (serve.py: its environment and how it reports)")
     add("--agent_timeout", type=float, default=300, help="--agent: seconds a step's programs may run, then killed")
@@ -93,7 +95,7 @@ def get_args(argv=None):
     add("--prompts_per_step", type=int, default=8, help="env seeds per step, over all ranks")
     add("--group_size", type=int, default=8, help="samples per seed (a GRPO group)")
     add("--max_new_tokens", type=int, help="per assistant turn (default: 32, or the env's)")
-    add("--max_total_tokens", type=int, default=512, help="per episode")
+    add("--max_total_tokens", type=int, help="per episode (default: 512, or the env's)")
     add("--temperature", type=float, default=1.0)
     add("--truncated_reward", default="keep", choices=["keep", "zero"],
         help="an episode cut by the budget: keep its rewards (PPO bootstraps its value), or score 0")
@@ -101,7 +103,8 @@ def get_args(argv=None):
     add("--vllm_memory", type=float, default=0.3, help="--sampler vllm on GPUs: its share of the card's memory")
     add("--vllm_sleep", action="store_true", help="--sampler vllm on GPUs: free its share during the update")
     # Algorithm
-    add("--algo", choices=["ppo", "grpo", "reinforce_pp"], help="default: grpo")
+    add("--algo", choices=["ppo", "grpo", "gigpo", "reinforce_pp"],
+        help="default: grpo; gigpo adds a step advantage per repeated state (GiGPO)")
     add("--dr_grpo", action="store_true",
         help="Dr.GRPO: GRPO without the std division, and --loss_agg seq-mean-token-sum-norm")
     add("--starpo_s", action="store_true", help="RAGEN's StarPO-S settings (explicit flags win)")
@@ -112,7 +115,8 @@ def get_args(argv=None):
     add("--kl", choices=["none", "in_reward", "loss"], help="default: none")
     add("--kl_estimator", choices=["k1", "k2", "k3"], help="default: k1 in the reward, k3 as a loss")
     add("--kl_coef", type=float, default=0.001)
-    add("--gamma", type=float, default=1.0)
+    add("--gamma", type=float, help="discount (default 1.0; GiGPO's 0.95 with --algo gigpo)")
+    add("--omega", type=float, default=1.0, help="--algo gigpo: the step advantage's weight")
     add("--lam", type=float, default=1.0, help="GAE lambda")
     add("--loss_agg", choices=["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"],
         help="how the policy, KL and entropy terms sum over tokens (default token-mean; Dr.GRPO's with --dr_grpo)")
@@ -151,6 +155,8 @@ def get_args(argv=None):
         if getattr(args, key) is None:  # flags the user gave win
             setattr(args, key, value)
     args.kl_estimator = args.kl_estimator or ("k1" if args.kl == "in_reward" else "k3")
+    if args.gamma is None:
+        args.gamma = 0.95 if args.algo == "gigpo" else 1.0
     # Dr.GRPO is two changes (Liu et al. 2025): no std division, and each trajectory's token sum divided by
     # a constant (max_total_tokens) instead of by its own length. One without the other keeps a bias.
     args.loss_agg = args.loss_agg or ("seq-mean-token-sum-norm" if args.dr_grpo else "token-mean")
@@ -179,11 +185,17 @@ def get_args(argv=None):
     check(args.prompts_per_step % world_size == 0, f"--prompts_per_step must divide over {world_size} ranks")
     check(args.lora_rank >= 0, "--lora_rank must be 0 (off) or a positive rank")
     check(args.critic_warmup == 0 or args.algo == "ppo", "--critic_warmup needs a critic (--algo ppo)")
-    check(args.kl != "in_reward" or args.algo != "grpo",
-          "--kl in_reward needs per-token credit: use --kl loss with GRPO")
+    check(args.kl != "in_reward" or args.algo not in ("grpo", "gigpo"),
+          f"--kl in_reward needs per-token credit: use --kl loss with --algo {args.algo}")
     check(envs.ENVS[args.env] not in envs.DATA_ENVS or args.data,
           f"--env {args.env} needs --data (a Hub name or a local file)")
-    check(not args.dr_grpo or args.algo == "grpo", "--dr_grpo changes GRPO's advantages: it needs --algo grpo")
+    check(args.algo != "gigpo" or not args.agent,
+          "--algo gigpo needs each turn's observation, which --agent does not record")
+    check(not args.dr_grpo or args.algo in ("grpo", "gigpo"),
+          "--dr_grpo changes GRPO's advantages: it needs --algo grpo or gigpo")
+    check(args.warmup_steps == 0 or args.agent or hasattr(envs.ENVS[args.env], "demonstration"),
+          f"--env {args.env} has no demonstrations to warm up on: pass --warmup_steps 0 "
+          "with a model that already writes its answer format")
     check(not args.retriever or args.env == "search_qa", "--retriever is for --env search_qa")
     check(not args.vllm_sleep or (args.sampler == "vllm" and (args.device or autodetect_device_type()) == "cuda"),
           "--vllm_sleep frees GPU memory: it needs --sampler vllm on a GPU (vLLM has no sleep mode on a CPU)")
@@ -500,7 +512,9 @@ def end_of_step(run, args, step, trajectories, kept, scored, shares, overall, pr
                    for key in ("approx_kl", "clip_fraction")})
     group_reward_std = statistics.fmean(group_reward_stds(trajectories).values())
     metrics = {**rollout.summarize(trajectories), "group_reward_std": group_reward_std,
-               "zero_variance_groups": zero_variance_share(trajectories), **prompt_dependence(probe)}
+               "zero_variance_groups": zero_variance_share(trajectories),
+               "anchor_group_size": mean_anchor_group_size(trajectories),
+               **prompt_dependence(probe)}
     metrics = {"step": step + 1, **dict(sorted(metrics.items())), **update, "kept_trajectories": len(kept),
                "lr": run.control["lr"], "filter_ratio": run.control["filter_ratio"],
                "elapsed_s": time.time() - run.run_start}
@@ -610,6 +624,13 @@ def zero_variance_share(trajectories):
     success rate p and group size g a group carries signal with probability 1 - p^g - (1-p)^g; when most are
     uniform, the KL and entropy terms take over the update (arXiv 2606.18487)."""
     return statistics.fmean(std == 0 for std in group_reward_stds(trajectories).values())
+
+
+def mean_anchor_group_size(trajectories):
+    """How many turns of its group met each turn's state, on average (1: none repeats)."""
+    anchors = masks.anchor_groups(trajectories)
+    sizes = Counter(anchors)
+    return statistics.fmean(sizes[anchor] for anchor in anchors) if anchors else 0.0
 
 
 def recent_change(history, key, window=5):
@@ -748,6 +769,12 @@ def main(argv=None):
                 per_trajectory = masks.grpo_advantages([t.score for t in kept], [t.group_id for t in kept],
                                                        scale_by_std=not args.dr_grpo)[mine].to(device)  # (B,)
                 advantages = per_trajectory[:, None] * loss_mask  # broadcast over the trajectory's agent tokens
+            elif args.algo == "gigpo":  # plus each turn's against the turns of its state
+                per_turn = masks.gigpo_advantages(kept, args.gamma, args.omega,
+                                                  not args.dr_grpo)[mine]
+                ends = [t.turn_end_positions for t in kept[mine]]
+                advantages = masks.spread_over_turns(per_turn, ends, batch["action_mask"])
+                advantages = advantages[:, 1:] * loss_mask  # (B, T-1)
             else:
                 advantages = masks.reinforce_pp_advantages(token_rewards, loss_mask, args.gamma, sum_over_ranks)
 

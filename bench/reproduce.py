@@ -8,7 +8,8 @@ study (docs/results.md, "Reproducing the papers"):
     python bench/reproduce.py shaping         # responses per prompt at 64 trajectories a step; Online-k
     python bench/reproduce.py mask_ablation   # the loss on agent tokens only, or on every token
     python bench/reproduce.py collapse_signals --seeds 8   # which logged signal leads a collapse, and the rescue
-    python bench/reproduce.py all             # all five, one after another
+    python bench/reproduce.py games --seeds 5  # FrozenLake (and slippery), Sokoban: GRPO vs GiGPO vs PPO
+    python bench/reproduce.py all             # all six, one after another
     python bench/reproduce.py agent_r1 --quick   # tiny settings: checks the pipeline in a minute (the notebook test)
 
 Every method of a study gets the same budget (steps x trajectories per step) and the same seeds. Seeds vary the
@@ -70,26 +71,27 @@ def run(out, name, flags, seed, steps, save_every=None, start_from=None):
     return result
 
 
-def held_out(model, env, env_options, episodes, setting="tools", temperature=1.0):
+def held_out(model, env, env_options, episodes, setting="tools", temperature=1.0, max_total_tokens=512):
     """eval.py's row for `model` on held-out seeds: success, EM, F1, ... Sampled at temperature 1 by default, as
     training and train.py's held-out evaluation sample: the tiny model's greedy choice flips between nearly tied
     names after a few updates (the warmed-up model: 0% greedy, 2% sampled; 4 GRPO steps later: 62% and 3%).
     Remembered in EVALUATIONS (a JSON file), so a study run again only evaluates what is new."""
-    key = json.dumps([str(model), env, env_options, episodes, setting, temperature])
+    key = json.dumps([str(model), env, env_options, episodes, setting, temperature]
+                     + ([max_total_tokens] if max_total_tokens != 512 else []))
     saved = json.loads(EVALUATIONS.read_text()) if EVALUATIONS.exists() else {}
     if key not in saved:
-        saved[key] = evaluate_now(model, env, env_options, episodes, setting, temperature)
+        saved[key] = evaluate_now(model, env, env_options, episodes, setting, temperature, max_total_tokens)
         EVALUATIONS.write_text(json.dumps(saved, indent=1))
     return saved[key]
 
 
-def evaluate_now(model, env, env_options, episodes, setting, temperature):
+def evaluate_now(model, env, env_options, episodes, setting, temperature, max_total_tokens=512):
     """held_out without the memory."""
-    sampler, tokenizer = evaluation.make_sampler("torch", model, max_total_tokens=512)
+    sampler, tokenizer = evaluation.make_sampler("torch", model, max_total_tokens=max_total_tokens)
     make_env = envs.env_factory(env, env_options)
     return evaluation.evaluate(sampler, tokenizer, lambda: evaluation.SETTINGS[setting](make_env()),
                                envs.eval_seeds(episodes), temperature=temperature, max_new_tokens=32,
-                               max_total_tokens=512, progress=False)
+                               max_total_tokens=max_total_tokens, progress=False)
 
 
 def spread(values):
@@ -411,8 +413,114 @@ def collapse_signals(out, seeds, steps, episodes):
     return results
 
 
+GAMES = {"FrozenLake": ("frozen_lake", {}), "FrozenLake, slippery": ("frozen_lake", {"slippery": True}),
+         "Sokoban": ("sokoban", {})}
+CREDIT = {"GRPO": ["--algo", "grpo"], "GiGPO": ["--algo", "gigpo"], "PPO (GAE)": ["--algo", "ppo"]}
+RAGEN_GAMES = ("RAGEN (Qwen2.5-0.5B, its harder levels): StarPO-S ~20% on Sokoban, ~22% on FrozenLake; "
+               "SFT on BFS expert data 74.6% on Sokoban")
+
+
+def evaluations(history):
+    """[(step, held-out success)] of a run's history."""
+    return [(h["step"], h["eval_success"]) for h in history if "eval_success" in h]
+
+
+def first_step_at(history, level):
+    """The first evaluated step whose held-out success reaches `level` (None: never)."""
+    return next((step for step, success in evaluations(history) if success >= level), None)
+
+
+def optimal_success(env_options, episodes):
+    """The optimal policy's chance on the held-out slippery maps, within the env's turns of one move
+    each (value iteration): the ceiling."""
+    total = 0.0
+    for seed in envs.eval_seeds(episodes):
+        lake = envs.FrozenLakeEnv(**env_options)
+        lake.reset(seed)
+        total += lake.reach_probabilities(lake.max_turns)[0][lake.start]
+    return total / episodes
+
+
+def games(out, seeds, steps, episodes):
+    """RAGEN's games from their bare commands' recipes: GRPO vs GiGPO vs PPO over seeds, each seed's
+    runs from its own warm-up; the SFT-only row warms up on correct demonstrations alone (its
+    clean and flawed phases both correct)."""
+    results, rows, curves = {}, [], {}
+    for game, (env, options) in GAMES.items():
+        env_flags = ["--env", env, "--env_options", json.dumps(options), "--eval_every", "10",
+                     "--eval_episodes", str(episodes)]
+        warm = {seed: str(train.warm_up(train.get_args(env_flags + ["--seed", str(seed)])))
+                for seed in seeds}
+        clean = [str(train.warm_up(train.get_args(env_flags + ["--seed", str(seed),
+                                                               "--warmup_mistake_rate", "0"])))
+                 for seed in seeds[:2]]  # two seeds: a warm-up costs as much as an RL run
+        args = train.get_args(env_flags)
+        sft_only = [held_out(model, env, {**options, "max_turns": args.max_turns}, episodes,
+                             max_total_tokens=args.max_total_tokens)["success"] for model in clean]
+        results[game] = {"SFT only (correct demonstrations)": {"held_out_success": sft_only}}
+        rows.append((game, "SFT only (correct demonstrations)", "-", spread(sft_only), "-", "-", "-",
+                     "-"))
+        for method, flags in CREDIT.items():
+            name = f"games-{env}{'-slippery' if options else ''}-{flags[1]}"
+            runs = [run(out, name, env_flags + flags + ["--model", warm[seed]], seed, steps)
+                    for seed in seeds]
+            histories = [r["history"] for r in runs]
+            curves.setdefault(game, {})[method] = histories
+            starts = [evaluations(h)[0][1] for h in histories]
+            finals = [evaluations(h)[-1][1] for h in histories]
+            results[game][method] = {"start": starts, "final": finals, "evaluations":
+                                     [evaluations(h) for h in histories], "seconds_per_step":
+                                     [r["seconds"] / steps for r in runs], "anchor_group_size":
+                                     [statistics.fmean(h["anchor_group_size"] for h in history
+                                                       if "anchor_group_size" in h)
+                                      for history in histories]}
+        grpo_final = statistics.fmean(results[game]["GRPO"]["final"])
+        for method in CREDIT:
+            record, histories = results[game][method], curves[game][method]
+            record["steps_to_grpo_final"] = [first_step_at(h, grpo_final) for h in histories]
+            climbed = sum(final > start for start, final in zip(record["start"], record["final"]))
+            rows.append((game, method, spread(record["start"]), spread(record["final"]),
+                         f"{climbed} of {len(seeds)}",
+                         ", ".join(str(s) if s else "-" for s in record["steps_to_grpo_final"]),
+                         spread(record["anchor_group_size"]), spread(record["seconds_per_step"])))
+        if options.get("slippery"):
+            results[game]["optimal"] = optimal_success(options, episodes)
+    plot_games(out / "games.png", curves)
+    notes = [RAGEN_GAMES, "steps to GRPO's final: the first evaluation (every 10 steps) at or above "
+             "GRPO's mean held-out success at the last step; '-': never"]
+    if "optimal" in results.get("FrozenLake, slippery", {}):
+        notes.append("slippery FrozenLake, the optimal policy on the same maps (the ceiling): "
+                     f"{results['FrozenLake, slippery']['optimal']:.3f}")
+    write_table(out / "table.md", f"RAGEN's games: {steps} steps of 8 levels x 8, {len(seeds)} seeds, "
+                f"held-out success over {episodes} levels", ["game", "method", "step 0", f"step {steps}",
+                                                             "RL climbed", "steps to GRPO's final",
+                                                             "anchor group size", "s / step"],
+                rows, notes)
+    return results
+
+
+def plot_games(path, curves):
+    """Held-out success per step, one panel per game, one line per run, a colour per method."""
+    figure, axes = plt.subplots(1, len(curves), figsize=(4.2 * len(curves), 3.2), squeeze=False)
+    for axis, (game, methods) in zip(axes[0], curves.items()):
+        for colour, (method, histories) in enumerate(methods.items()):
+            for seed, history in enumerate(histories):
+                steps, success = zip(*evaluations(history))
+                axis.plot(steps, success, color=f"C{colour}", linewidth=0.8,
+                          label=method if seed == 0 else None)
+        axis.set_title(game)
+        axis.set_xlabel("step")
+        axis.set_ylim(0, 1)
+    axes[0][0].set_ylabel("held-out success")
+    axes[0][0].legend(fontsize=7)
+    figure.tight_layout()
+    figure.savefig(path, dpi=90)
+    plt.close(figure)
+
+
 STUDIES = {"agent_r1": (agent_r1, 40), "echo_trap": (echo_trap, 60), "shaping": (shaping, 40),
-           "mask_ablation": (mask_ablation, 40), "collapse_signals": (collapse_signals, 60)}
+           "mask_ablation": (mask_ablation, 40), "collapse_signals": (collapse_signals, 60),
+           "games": (games, 60)}
 
 
 def main(argv=None):

@@ -456,7 +456,7 @@ def set_lake(env, text):
 
 
 def test_frozen_lake_path_to_the_goal():
-    env = envs.FrozenLakeEnv()
+    env = envs.FrozenLakeEnv(max_actions_per_turn=3)
     env.reset(0)
     set_lake(env, "P___ _O_O ___O O__G")
     bump = env.step("<answer>Up</answer>")  # the edge: stay in place
@@ -501,21 +501,32 @@ def test_frozen_lake_slip_frequencies():
 
 
 def grid_bfs(start, moves, is_goal):
-    """Reference breadth-first search written for the tests, independent of envs.bfs_reachable on purpose."""
-    queue, seen = deque([start]), {start}
+    """Reference breadth-first search written for the tests, independent of envs.bfs_path on purpose:
+    the fewest moves to a goal state, or None."""
+    queue, distance = deque([start]), {start: 0}
     while queue:
         state = queue.popleft()
         if is_goal(state):
-            return True
+            return distance[state]
         for following in moves(state):
-            if following not in seen:
-                seen.add(following)
+            if following not in distance:
+                distance[following] = distance[state] + 1
                 queue.append(following)
-    return False
+    return None
 
 
 def parse_grid(text):
     return {(r, c): char for r, row in enumerate(text.split("\n")) for c, char in enumerate(row)}
+
+
+def play_demonstration(env, seed, mistake_rate=0.0, rng=None):
+    """An episode of env.demonstration, the env stepped between its replies as the warm-up does."""
+    env.reset(seed)
+    results = []
+    for text in env.demonstration(mistake_rate, rng):
+        results.append(env.step(text))
+        if results[-1].done:
+            return results
 
 
 def test_every_frozen_lake_map_is_solvable():
@@ -528,7 +539,11 @@ def test_every_frozen_lake_map_is_solvable():
             start = next(cell for cell, char in grid.items() if char == "P")
             moves = lambda cell: [(cell[0] + dr, cell[1] + dc) for dr, dc in ((0, 1), (0, -1), (1, 0), (-1, 0))
                                   if grid.get((cell[0] + dr, cell[1] + dc), "O") != "O"]
-            assert grid_bfs(start, moves, lambda cell: grid[cell] == "G"), messages[1]["content"]
+            fewest = grid_bfs(start, moves, lambda cell: grid[cell] == "G")
+            assert fewest is not None, messages[1]["content"]
+            played = play_demonstration(envs.FrozenLakeEnv(size=size, hole_probability=0.4,
+                                                           max_turns=fewest), seed)
+            assert played[-1].info["success"] and sum(r.info["actions"] for r in played) == fewest
 
 
 def test_every_sokoban_level_is_solvable():
@@ -550,7 +565,39 @@ def test_every_sokoban_level_is_solvable():
                     yield ahead, box
                 elif grid[(box[0] + dr, box[1] + dc)] != "#":
                     yield ahead, (box[0] + dr, box[1] + dc)
-        assert grid_bfs((player, box), moves, lambda state: state[1] == target), messages[1]["content"]
+        fewest = grid_bfs((player, box), moves, lambda state: state[1] == target)
+        assert fewest is not None, messages[1]["content"]
+        # The warm-up's demonstration pushes the box home in exactly that many moves.
+        played, moves_made = play_demonstration(env, seed), 0
+        for result in played:
+            moves_made += result.info["actions"]
+        assert played[-1].info["success"] and moves_made == fewest, (seed, moves_made, fewest)
+
+
+def test_slippery_frozen_lake_demonstration_succeeds_as_often_as_value_iteration_predicts():
+    # The demonstration acts as the optimal policy for one action a turn, so over many maps and
+    # slips its success rate is the mean of the maps' optimal chances; a worse policy falls short.
+    successes, predicted, rng = 0, 0.0, random.Random(0)
+    for seed in range(1500):
+        env = envs.FrozenLakeEnv(slippery=True, max_turns=6)
+        env.reset(seed)
+        predicted += env.reach_probabilities(6)[0][env.start]
+        successes += play_demonstration(env, seed, rng=rng)[-1].info["success"]
+    assert successes / 1500 == pytest.approx(predicted / 1500, abs=0.03)
+    assert predicted / 1500 > 0.3
+
+
+def test_flawed_demonstrations_take_another_action_at_the_mistake_rate():
+    rng, mistakes, actions = random.Random(1), 0, 0
+    for seed in range(300):
+        env = envs.SokobanEnv()
+        env.reset(seed)
+        reply = next(env.demonstration(0.3, rng))
+        planned = env.plan()[:env.max_actions_per_turn]
+        taken = envs.extract_answer(reply).split(" || ")
+        mistakes += sum(a != b for a, b in zip(taken, planned))
+        actions += len(planned)
+    assert mistakes / actions == pytest.approx(0.3, abs=0.05)
 
 
 def test_sokoban_push_sequence_and_wall_bump():

@@ -1,12 +1,14 @@
 import math
 import random
 import statistics
+from types import SimpleNamespace
 
 import pytest
 import torch
 
-from masks import (aggregate_loss, compute_gae, explained_variance, grpo_advantages, kl_estimate,
-                   last_agent_positions, masked_mean, masked_whiten, place_rewards, reinforce_pp_advantages)
+from masks import (aggregate_loss, compute_gae, explained_variance, gigpo_advantages, grpo_advantages,
+                   kl_estimate, last_agent_positions, masked_mean, masked_whiten, place_rewards,
+                   reinforce_pp_advantages, spread_over_turns, states_before_turns)
 
 
 # -----------------------------------------------------------------------------
@@ -233,6 +235,103 @@ def test_grpo_hand_computed_and_edge_cases():
     assert dr_grpo.tolist() == [0.5, -0.5, 0.5, -0.5, 0, 0, 0, 0]
     assert grpo_advantages([1.0, 1.0, 1.0], [0, 0, 0], eps=0.0).tolist() == [0, 0, 0]  # NaN-free even with eps 0
     assert torch.isfinite(grpo_advantages([1e-9, 0.0], [0, 0])).all()
+
+
+def episode(group_id, states, rewards):
+    """A trajectory as gigpo_advantages reads it: the states its turns acted on and their rewards."""
+    messages = [{"role": "system", "content": "rules"}]
+    for state, reward in zip(states, rewards):
+        messages += [{"role": "user", "content": state}, {"role": "assistant", "content": "move"}]
+    return SimpleNamespace(group_id=group_id, turn_rewards=list(rewards), score=sum(rewards),
+                           messages=messages)
+
+
+def slow_gigpo(trajectories, gamma, omega, scale_by_std, eps=1e-6):
+    """The paper's formulas in plain loops: A(τ) = (R(τ) − mean) / std over the group's episodes;
+    for turn k, R_k = Σ_{j≥k} γ^(j−k) r_j and A_S = (R_k − mean) / std over the turns of the same group
+    that acted on the same state (0 for an anchor group that does not vary); A = A(τ) + ω A_S."""
+    def relative(value, group):
+        if len(set(group)) == 1:
+            return 0.0
+        spread = statistics.stdev(group) + eps if scale_by_std else 1.0
+        return (value - statistics.mean(group)) / spread
+    turns = []  # (group, state, step return) of every turn of every trajectory
+    for t in trajectories:
+        states = states_before_turns(t.messages)
+        for k, state in enumerate(states):
+            step_return = sum(gamma ** (j - k) * t.turn_rewards[j] for j in range(k, len(states)))
+            turns.append((t.group_id, state, step_return))
+    out, index = [], 0
+    for t in trajectories:
+        group = [other.score for other in trajectories if other.group_id == t.group_id]
+        episode_advantage = relative(t.score, group)
+        row = []
+        for _ in t.turn_rewards:
+            group_id, state, step_return = turns[index]
+            anchor = [r for g, s, r in turns if (g, s) == (group_id, state)]
+            row.append(episode_advantage + omega * relative(step_return, anchor))
+            index += 1
+        out.append(row)
+    return out
+
+
+def test_gigpo_hand_computed():
+    # One level, two episodes. Both start in state "A" (anchor group of two, as every group's first
+    # turn is); episode 0 moves to "B" and solves it; episode 1 bumps a wall, stays in "A", then fails.
+    trajectories = [episode(0, ["A", "B"], [-0.1, 1.0]), episode(0, ["A", "A"], [-0.1, -0.1])]
+    # Episode scores 0.9 and -0.2: mean 0.35, unbiased std 0.7778, A(τ) = ±0.707107.
+    # Step returns (γ = 0.5): episode 0: -0.1 + 0.5 * 1.0 = 0.4, then 1.0; episode 1: -0.15, -0.1.
+    # Anchor "A": {0.4, -0.15, -0.1}: mean 0.05, std 0.304138, so +1.150793, -0.657596, -0.493197;
+    # anchor "B" holds one turn: 0.
+    (first, second), (third, fourth) = gigpo_advantages(trajectories, gamma=0.5, omega=1.0)
+    assert first == pytest.approx(0.707107 + 1.150793, abs=1e-5)
+    assert second == pytest.approx(0.707107, abs=1e-5)
+    assert third == pytest.approx(-0.707107 - 0.657596, abs=1e-5)
+    assert fourth == pytest.approx(-0.707107 - 0.493197, abs=1e-5)
+    expected = slow_gigpo(trajectories, 0.5, 1.0, True)
+    assert [first, second, third, fourth] == pytest.approx(expected[0] + expected[1])
+
+
+def test_gigpo_matches_slow_reference():
+    rng = random.Random(5)
+    for scale_by_std in (True, False):
+        for _ in range(5):
+            trajectories = []
+            for _ in range(16):
+                turns = rng.randint(1, 6)
+                states = [rng.choice("ABCDE") for _ in range(turns)]
+                rewards = [rng.choice([0.0, -0.1, 1.0, rng.uniform(-1, 1)]) for _ in range(turns)]
+                trajectories.append(episode(rng.randint(0, 3), states, rewards))
+            gamma, omega = rng.choice([1.0, 0.95, 0.5]), rng.choice([1.0, 0.5])
+            expected = slow_gigpo(trajectories, gamma, omega, scale_by_std)
+            got = gigpo_advantages(trajectories, gamma, omega, scale_by_std)
+            for row, expected_row in zip(got, expected):
+                assert row == pytest.approx(expected_row, abs=1e-5)
+
+
+def test_gigpo_without_repeated_states_is_grpo():
+    rng = random.Random(6)
+    trajectories = [episode(g, [f"{g}/{i}/{k}" for k in range(3)], [rng.uniform(-1, 1) for _ in range(3)])
+                    for g in range(3) for i in range(4)]
+    grpo = grpo_advantages([t.score for t in trajectories], [t.group_id for t in trajectories]).tolist()
+    for row, expected in zip(gigpo_advantages(trajectories, gamma=0.95), grpo):
+        assert row == [expected] * 3
+
+
+def test_states_before_turns_reads_the_observations_a_turn_acted_on():
+    messages = [{"role": "system", "content": "s"}, {"role": "user", "content": "u"},
+                {"role": "assistant", "content": "a1"}, {"role": "tool", "content": "t1"},
+                {"role": "tool", "content": "t2"}, {"role": "assistant", "content": "a2"}]
+    assert states_before_turns(messages) == [repr(["u"]), repr(["t1", "t2"])]
+
+
+def test_turn_advantages_land_on_their_own_turns_agent_tokens_only():
+    # Row 0: prompt 0-1, turn 0 at 2-3, env 4-5, turn 1 at 6-8, env 9. Row 1: prompt 0, turn 0 at 1-2,
+    # env 3, then a turn cut by the token budget whose end moved back onto turn 0's last token.
+    action_mask = torch.tensor([[0, 0, 1, 1, 0, 0, 1, 1, 1, 0], [0, 1, 1, 0, 0, 0, 0, 0, 0, 0]])
+    spread = spread_over_turns([[0.5, -2.0], [3.0, 7.0]], [[3, 8], [2, 2]], action_mask)
+    assert spread.tolist() == [[0, 0, 0.5, 0.5, 0, 0, -2.0, -2.0, -2.0, 0],
+                               [0, 3.0, 3.0, 0, 0, 0, 0, 0, 0, 0]]
 
 
 def test_reinforce_pp_matches_slow_reference():

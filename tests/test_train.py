@@ -237,6 +237,8 @@ def test_environment_tokens_get_no_gradient(tiny_batch):
     (["--vllm_sleep"], "--vllm_sleep frees GPU memory: it needs --sampler vllm on a GPU"),
     (["--sampler", "vllm", "--vllm_sleep", "--device", "cpu"], "vLLM has no sleep mode on a CPU"),
     (["--lora_rank", "-1"], "--lora_rank must be 0 (off) or a positive rank"),
+    (["--env", "calculator"], "--env calculator has no demonstrations to warm up on: pass --warmup_steps 0"),
+    (["--algo", "gigpo", "--kl", "in_reward"], "use --kl loss with --algo gigpo"),
 ])
 def test_bad_configurations_fail_with_their_message(argv, message, capsys):
     with pytest.raises(SystemExit):
@@ -251,6 +253,12 @@ def test_prompts_that_do_not_split_over_the_ranks_fail_at_start_with_their_messa
     with pytest.raises(SystemExit):  # an argparse error: one line, before any process group (no traceback)
         train.get_args(["--prompts_per_step", "5"])
     assert "error: --prompts_per_step must divide over 2 ranks" in capsys.readouterr().err
+
+
+def test_gigpo_discounts_its_step_returns_by_default_and_explicit_flags_win():
+    assert (train.get_args(["--algo", "gigpo"]).gamma, train.get_args([]).gamma) == (0.95, 1.0)
+    assert train.get_args(["--algo", "gigpo", "--gamma", "0.5"]).gamma == 0.5
+    assert train.get_args(["--env", "calculator", "--warmup_steps", "0"]).max_turns == 4
 
 
 def test_starpo_s_sets_its_values_and_explicit_flags_win():
