@@ -4,10 +4,14 @@ Serve the policy behind an OpenAI-compatible endpoint, and record what it sample
     python serve.py --model runs/default/step_000100 --port 8000   # Ctrl-C: runs/served/trajectories.jsonl
     OPENAI_BASE_URL=http://127.0.0.1:8000/v1 OPENAI_API_KEY=none python my_agent.py   # any agent, unchanged
 
-Agents are mostly written already, as loops over the `openai` client, so the policy answers `POST
-/v1/chat/completions` (whole replies; `tools`, `tool_choice` "auto", `temperature`, `max_tokens`, `seed`; other
-fields ignored, as OpenAI's and vLLM's servers do) and `GET /v1/models`, like AReaL's proxy or Agent Lightning.
-Hermes `<tool_call>` blocks in a reply come back as OpenAI `tool_calls` (tools.parse_tool_calls).
+Agents are mostly written already, as loops over the `openai` client, so the policy answers
+`POST /v1/chat/completions` (whole replies; `tools`, `tool_choice` "auto", `temperature`, `top_p`,
+`max_tokens` (at most --max_new_tokens), `seed`, `stop`; other fields ignored, as OpenAI's and vLLM's
+servers do, except sampling options the samplers cannot honour: NEUTRAL) and `GET /v1/models`, like
+AReaL's proxy or Agent Lightning. Hermes `<tool_call>` blocks in a reply come back as OpenAI
+`tool_calls` (tools.parse_tool_calls). Values are checked as they arrive: a bad one gets a 400 naming
+it (OpenAI's error body), whatever fails later a 500; the sampler thread sees checked values only.
+Under train.py --agent the trainer's temperature (and top_p 1) win: the update scores at those.
 
 Token in, token out through a text API: encoding the request's text again would not give the sampled tokens
 (rollout.py's docstring). So each conversation keeps its tokens (a rollout.Trajectory); a request whose messages
@@ -28,6 +32,7 @@ or reports no reward loses its group for the step, and the log says why.
 
 import argparse
 import json
+import math
 import os
 import queue
 import re
@@ -40,33 +45,57 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import asdict, dataclass, replace
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
+from typing import NamedTuple
 
 import rollout
 import tools
 from nanoagent.common import UserError, print0
 from nanoagent.models import load_model, resolve_model_path
 from nanoagent.report import TRAJECTORIES, append_jsonl, trajectory_records
-from nanoagent.sampler import TorchSampler
+from nanoagent.sampler import Generation, TorchSampler
 
 ROLES = ("system", "user", "assistant", "tool")
 
 
 class RequestError(ValueError):
-    """A request the endpoint refuses: a 400, with OpenAI's error code (args[1]) where it has one."""
+    """A request the endpoint refuses: its HTTP status, OpenAI's error fields (the field at fault, a code)."""
+
+    def __init__(self, message, param=None, code="invalid_value", status=400):
+        super().__init__(message)
+        self.param, self.code, self.status = param, code, status
+
+
+# Options the samplers cannot honour: refused unless absent or neutral, never silently ignored.
+NEUTRAL = {"n": 1, "presence_penalty": 0, "frequency_penalty": 0, "repetition_penalty": 1,
+           "logit_bias": {}, "top_k": -1, "min_p": 0, "best_of": 1,
+           "logprobs": False, "top_logprobs": 0, "stream": False, "tool_choice": "auto"}
+
+
+def checked(body, field, default, low, high, kind=(int, float)):
+    """body[field] if a `kind` (a bool is not a number) in [low, high]; `default` if absent or null."""
+    value = body.get(field)
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, kind) or not low <= value <= high:
+        kind_name = "an integer" if kind is int else "a number"
+        raise RequestError(f"{field}={value!r}: must be {kind_name} in [{low}, {high}]", field)
+    return value
 
 
 def read_messages(messages):
     """The messages as the chat template takes them ({"role", "content", "tool_calls": [{"name", "arguments":
     {...}}]}), checked: known roles, and a tool message answers a call of the assistant turn before it."""
     if not isinstance(messages, list) or not messages:
-        raise RequestError("'messages' must be a non-empty list")
+        raise RequestError("'messages' must be a non-empty list", "messages")
     read, call_ids = [], set()
     for index, message in enumerate(messages):
         role = message.get("role") if isinstance(message, dict) else None
         if role not in ROLES:
-            raise RequestError(f"messages[{index}]: unknown role {role!r}; this endpoint knows {', '.join(ROLES)}")
+            raise RequestError(f"messages[{index}]: unknown role {role!r}; "
+                               f"this endpoint knows {', '.join(ROLES)}", "messages")
         if not isinstance(message.get("content") or "", str):
-            raise RequestError(f"messages[{index}]: content must be a string (this endpoint reads text only)")
+            raise RequestError(f"messages[{index}]: content must be a string "
+                               "(this endpoint reads text only)", "messages")
         read.append({"role": role, "content": message.get("content") or ""})
         if role == "assistant":
             try:
@@ -74,12 +103,13 @@ def read_messages(messages):
                                            "arguments": json.loads(call["function"]["arguments"])})
                          for call in message.get("tool_calls") or []]
             except (KeyError, TypeError, AttributeError, ValueError) as problem:
-                raise RequestError(f"messages[{index}]: malformed tool_calls ({problem!r})") from problem
+                raise RequestError(f"messages[{index}]: malformed tool_calls ({problem!r})",
+                                   "messages") from problem
             read[-1].update({"tool_calls": [call for _, call in calls]} if calls else {})
             call_ids = {call_id for call_id, _ in calls}
         if role == "tool" and message.get("tool_call_id") not in call_ids:
             raise RequestError(f"messages[{index}]: tool message with tool_call_id {message.get('tool_call_id')!r} "
-                               "answers no tool call of the assistant turn before it")
+                               "answers no tool call of the assistant turn before it", "messages")
     return read
 
 
@@ -92,6 +122,16 @@ class Conversation:
     busy: bool = True  # a turn of it is being sampled: a concurrent request cannot extend it
 
 
+class Turn(NamedTuple):
+    """A turn waiting for the sampler thread."""
+    prompt: list[int]
+    limit: int  # max new tokens
+    temperature: float
+    top_p: float
+    seed: int
+    done: Future  # set to its Generation
+
+
 class Server:
     """The endpoint: the sampler and its batching thread, the conversations being recorded, the HTTP server."""
 
@@ -99,10 +139,11 @@ class Server:
                  model_name="nanoagent", host="127.0.0.1", port=0):
         self.sampler, self.tokenizer, self.model_name = sampler, tokenizer, model_name
         self.max_new_tokens, self.max_total_tokens, self.window_s = max_new_tokens, max_total_tokens, window_s
-        self.temperature = temperature  # None: the request's; train.py fixes it to the temperature it trains at
+        # None: the request's temperature and top_p; train.py's: the temperature it trains at, top_p 1
+        self.temperature = temperature
         self.end_of_turn = tokenizer.convert_tokens_to_ids(rollout.END_OF_TURN)
         self.stop_token_ids = [tokenizer.convert_tokens_to_ids(token) for token in rollout.STOP_TOKENS]
-        self.conversations, self.lock, self.turns = [], threading.Lock(), queue.Queue()
+        self.conversations, self.lock, self.turns = [], threading.Lock(), queue.Queue()  # of Turn
         self.sample_seed, self.plays, self.seed_keys = 0, 0, {}  # play's: its step's seed, its calls, {id: key}
         self.http = HTTPServer((host, port), Handler)
         self.http.endpoint, self.url = self, f"http://{host}:{self.http.server_address[1]}"
@@ -110,7 +151,9 @@ class Server:
         threading.Thread(target=self.http.serve_forever, daemon=True).start()
 
     def sample_batches(self):
-        """The sampler thread: turns that arrive within window_s of the first share a generate (per temperature)."""
+        """The sampler thread: turns that arrive within window_s of the first share a generate (per
+        temperature and top_p). Their values were checked on arrival: a failure here fails those
+        requests, never the thread."""
         while True:
             batch, deadline = [self.turns.get()], time.monotonic() + self.window_s
             while (left := deadline - time.monotonic()) > 0:
@@ -118,17 +161,18 @@ class Server:
                     batch.append(self.turns.get(timeout=left))
                 except queue.Empty:
                     break
-            for temperature in {turn[2] for turn in batch}:
-                rows = [turn for turn in batch if turn[2] == temperature]  # (prompt, limit, temperature, seed, done)
+            for options in {(turn.temperature, turn.top_p) for turn in batch}:
+                rows = [turn for turn in batch if (turn.temperature, turn.top_p) == options]
                 try:
-                    generations = self.sampler.generate([row[0] for row in rows], [row[1] for row in rows],
-                                                        temperature=temperature, stop_token_ids=self.stop_token_ids,
-                                                        seed=[row[3] for row in rows])
+                    generations = self.sampler.generate(
+                        [row.prompt for row in rows], [row.limit for row in rows],
+                        temperature=options[0], top_p=options[1],
+                        stop_token_ids=self.stop_token_ids, seed=[row.seed for row in rows])
                     for row, generation in zip(rows, generations):
-                        row[4].set_result(generation)
+                        row.done.set_result(generation)
                 except Exception as problem:  # those requests fail with it (a 500), the thread goes on
                     for row in rows:
-                        row[4].set_exception(problem)
+                        row.done.set_exception(problem)
 
     def extendable(self, episode, keys, messages):
         """The idle conversation of `episode` (the longest) whose history `keys` extends by messages that are not
@@ -144,14 +188,24 @@ class Server:
 
     def complete(self, episode, body):
         """One chat completion: the OpenAI response body. The turn is recorded in its conversation."""
-        refused = {"stream": bool(body.get("stream")), "n": (body.get("n") or 1) != 1,
-                   "tool_choice": (body.get("tool_choice") or "auto") != "auto"}
-        for field in (field for field, refuse in refused.items() if refuse):
-            raise RequestError(f"{field}={body[field]!r}: this endpoint gives one whole reply, tool_choice 'auto' only")
-        limit = body.get("max_completion_tokens") or body.get("max_tokens") or self.max_new_tokens
-        if not isinstance(limit, int) or limit < 1:
-            raise RequestError(f"max_tokens must be a positive integer, got {limit!r}")
+        for field, neutral in NEUTRAL.items():
+            if body.get(field) not in (None, neutral):
+                raise RequestError(f"{field}={body[field]!r}: not supported by this endpoint "
+                                   f"(only {neutral!r})", field, "unsupported_value")
+        limit = checked(body, "max_tokens", self.max_new_tokens, 1, math.inf, int)
+        limit = checked(body, "max_completion_tokens", limit, 1, math.inf, int)
+        temperature = checked(body, "temperature", 1.0, 0, 2)
+        top_p = checked(body, "top_p", 1.0, 0, 1)
+        if self.temperature is not None:  # the trainer's sampling settings win
+            temperature, top_p = self.temperature, 1.0
+        seed = checked(body, "seed", None, -2**63, 2**63 - 1, int)
+        stop = [body["stop"]] if isinstance(body.get("stop"), str) else body.get("stop") or []
+        if not isinstance(stop, list) or not all(isinstance(text, str) and text for text in stop):
+            raise RequestError(f"stop={body['stop']!r}: must be a string or a list of strings",
+                               "stop")
         messages, tool_schemas = read_messages(body.get("messages")), body.get("tools") or []
+        if not isinstance(tool_schemas, list) or not all(isinstance(s, dict) for s in tool_schemas):
+            raise RequestError("tools must be a list of function schemas", "tools")
         keys = [json.dumps(tool_schemas, sort_keys=True)] + [json.dumps(m, sort_keys=True) for m in messages]
         conversation = self.extendable(episode, keys, messages)
         try:
@@ -165,13 +219,14 @@ class Server:
             length = len(history) + len(new_tokens)
             if length >= self.max_total_tokens:
                 raise RequestError(f"the conversation is {length} tokens, the context budget {self.max_total_tokens}",
-                                   "context_length_exceeded")
-            seed = body["seed"] if body.get("seed") is not None else rollout.sample_seed_for(
-                self.sample_seed, self.seed_keys.get(episode, episode), segment,
-                conversation.trajectory.num_turns if conversation else 0)
-            temperature = self.temperature if self.temperature is not None else body.get("temperature", 1.0)
+                                   "messages", "context_length_exceeded")
+            if seed is None:
+                seed = rollout.sample_seed_for(self.sample_seed, self.seed_keys.get(episode, episode), segment,
+                                               conversation.trajectory.num_turns if conversation else 0)
             done = Future()
-            self.turns.put((history + new_tokens, min(limit, self.max_total_tokens - length), temperature, seed, done))
+            # top_p 0 (the most likely token, as OpenAI reads it): the sampler's top-p keeps the top one
+            limit = min(limit, self.max_new_tokens, self.max_total_tokens - length)
+            self.turns.put(Turn(history + new_tokens, limit, temperature, max(top_p, 1e-9), seed, done))
             generation = done.result()
         except BaseException:
             if conversation is not None:  # unchanged: the client may still extend it
@@ -184,7 +239,7 @@ class Server:
                 messages=[], info={"success": False, "segment": segment}), [])
             with self.lock:
                 self.conversations.append(conversation)
-        message, finish_reason = self.record(conversation, new_messages, new_tokens, generation)
+        message, finish_reason = self.record(conversation, new_messages, new_tokens, generation, stop)
         # What the client will send back as this turn: read as read_messages reads it, then.
         conversation.keys, conversation.busy = keys + [json.dumps(read_messages([message])[0], sort_keys=True)], False
         return {"id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion", "created": int(time.time()),
@@ -193,17 +248,26 @@ class Server:
                 "usage": {"prompt_tokens": length, "completion_tokens": len(generation.token_ids),
                           "total_tokens": length + len(generation.token_ids)}}
 
-    def record(self, conversation, new_messages, new_tokens, generation):
+    def record(self, conversation, new_messages, new_tokens, generation, stop):
         """Append the new messages' tokens (mask 0) and the sampled turn (mask 1, with its log-probs) to the
-        conversation's trajectory; returns the reply as OpenAI's message, and the finish reason."""
+        conversation's trajectory; returns the reply as OpenAI's message, and the finish reason.
+        A reply holding a stop string is cut as vLLM cuts it: the text before it, the tokens up to the
+        one that completes it."""
+        sampled, conversation.closing = rollout.close_turn(generation, self.end_of_turn)
+        text = self.tokenizer.decode(sampled)  # for the client; never encoded again
+        if any(string in text for string in stop):
+            end = next(end for end in range(1, len(sampled) + 1)
+                       if any(string in self.tokenizer.decode(sampled[:end]) for string in stop))
+            text = self.tokenizer.decode(sampled[:end])
+            text = text[:min(text.index(string) for string in stop if string in text)]
+            generation = Generation(sampled[:end], generation.logprobs[:end], "stop")
+            conversation.closing = [self.end_of_turn]  # the policy did not end its turn: the env does
         trajectory = conversation.trajectory
         rollout.append(trajectory, new_tokens, 0)
         rollout.append(trajectory, generation.token_ids, 1, generation.logprobs)
         trajectory.turn_end_positions.append(len(trajectory.token_ids) - 1)
         trajectory.turn_rewards.append(0.0)
         trajectory.num_turns += 1
-        sampled, conversation.closing = rollout.close_turn(generation, self.end_of_turn)
-        text = self.tokenizer.decode(sampled)  # for the client; never encoded again
         calls = tools.parse_tool_calls(text)
         trajectory.turn_infos.append({"tool_calls": len(calls), "invalid_calls": sum(bool(c.error) for c in calls),
                                       "format_error": False, "calls": [asdict(call) for call in calls]})
@@ -294,25 +358,31 @@ class Handler(BaseHTTPRequestHandler):
 
     def do_GET(self):
         if self.route()[1] != "/models":
-            return self.send_json(404, error(f"no route GET {self.path}", "not_found"))
+            return self.send_json(404, error(f"no route GET {self.path}", code="not_found"))
         self.send_json(200, {"object": "list", "data": [{"id": self.server.endpoint.model_name, "object": "model",
                                                           "created": 0, "owned_by": "nanoagent"}]})
 
     def do_POST(self):
-        body = self.rfile.read(int(self.headers.get("Content-Length") or 0))
         episode, path = self.route()
-        if path != "/chat/completions":
-            return self.send_json(404, error(f"no route POST {self.path}", "not_found"))
         try:
-            request = json.loads(body)
+            try:  # the body is read whole first: the connection stays usable whatever it holds
+                body = self.rfile.read(int(self.headers.get("Content-Length") or 0))
+                request = json.loads(body.decode())
+            except ValueError as problem:  # no length, not UTF-8 (a UnicodeDecodeError), not JSON
+                raise RequestError(f"the body is not UTF-8 JSON: {problem}",
+                                   code="invalid_json") from problem
+            if path != "/chat/completions":
+                raise RequestError(f"no route POST {self.path}", code="not_found", status=404)
             if not isinstance(request, dict):
-                raise RequestError("the body must be a JSON object", "invalid_json")
-            self.send_json(200, self.server.endpoint.complete(episode, request))
-        except ValueError as problem:  # a RequestError, or json's
-            self.send_json(400, error(problem.args[0], problem.args[1] if len(problem.args) > 1 else "invalid_json"))
+                raise RequestError("the body must be a JSON object", code="invalid_json")
+            status, reply = 200, self.server.endpoint.complete(episode, request)
+        except RequestError as problem:
+            status, reply = problem.status, error(str(problem), problem.param, problem.code)
         except Exception as problem:  # a bug or a sampler failure: this request fails, the server goes on
             self.log_error("%r", problem)
-            self.send_json(500, error(f"the server failed: {problem!r}", "server_error"))
+            reply = error(f"the server failed: {problem!r}", None, "server_error", "server_error")
+            status = 500
+        self.send_json(status, reply)
 
     def send_json(self, status, body):
         data = json.dumps(body).encode()
@@ -325,14 +395,14 @@ class Handler(BaseHTTPRequestHandler):
         except OSError as problem:  # the client left before its reply: its turn stays recorded
             print0(f"serve: a client left before its reply ({problem!r})")
 
-    def log_message(self, format, *args):  # 64 agents' requests would bury the log: errors only
-        if args and str(args[1]).startswith(("4", "5")):
-            super().log_message(format, *args)
+    def log_request(self, code="-", size="-"):  # 64 agents' requests would bury the log: errors
+        if str(code).startswith(("4", "5")):
+            super().log_request(code, size)
 
 
-def error(message, code=None):
+def error(message, param=None, code=None, kind="invalid_request_error"):
     """OpenAI's error body."""
-    return {"error": {"message": message, "type": "invalid_request_error", "param": None, "code": code}}
+    return {"error": {"message": message, "type": kind, "param": param, "code": code}}
 
 
 def main(argv=None):

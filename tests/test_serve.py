@@ -20,7 +20,7 @@ from nanoagent.report import trajectory_records
 from nanoagent.sampler import TorchSampler
 from serve import Server
 from rollout import encode_chat, observation_tokens, render
-from tests.test_rollout import REPLIES, ScriptedSampler, scripted_replies
+from tests.test_rollout import REPLIES, TOOL_CALL, ScriptedSampler, scripted_replies
 
 EXAMPLE_AGENT = Path(__file__).resolve().parent.parent / "examples" / "multihop_agent.py"
 CALCULATOR = [tools.calculator_tool().schema()]
@@ -31,11 +31,14 @@ class Recording:
     """A sampler that keeps every call's prompts, generations and batch size."""
 
     def __init__(self, sampler):
-        self.sampler, self.calls = sampler, []
+        self.sampler, self.calls, self.options = sampler, [], []
 
     def generate(self, prompts, max_new_tokens, **options):
+        if options["temperature"] == 0.5:  # how a test makes the sampler fail
+            raise RuntimeError("the sampler broke")
         generations = self.sampler.generate(prompts, max_new_tokens, **options)
         self.calls.append(([list(prompt) for prompt in prompts], generations))
+        self.options.append(options)
         return generations
 
 
@@ -70,7 +73,8 @@ def test_tool_calls_come_back_as_openai_tool_calls_and_the_trajectory_is_the_sam
     second = client.chat.completions.create(model="m", messages=messages, tools=CALCULATOR)
     assert second.choices[0].message.content == REPLIES[1] and second.choices[0].finish_reason == "stop"
     messages += [second.choices[0].message, {"role": "user", "content": "Please answer."}]
-    third = client.chat.completions.create(model="m", messages=messages, tools=CALCULATOR, extra_body={"top_k": 5})
+    third = client.chat.completions.create(model="m", messages=messages, tools=CALCULATOR,
+                                           extra_body={"top_k": -1})  # neutral: accepted
     assert third.choices[0].message.content == REPLIES[2]
     [conversation] = conversations_of(server, "")
     server.close()
@@ -168,6 +172,95 @@ def test_bad_requests_get_openai_errors_and_the_server_goes_on():
             raw.sendall(payload)
     assert client.models.list().data[0].id == "nanoagent"
     assert client.chat.completions.create(model="m", messages=OPENING, tools=CALCULATOR).choices[0].message.tool_calls
+    server.close()
+
+
+def post(server, body, path="/v1/chat/completions"):
+    """(status, JSON reply) of one POST of raw bytes or a JSON body, as any client sends it."""
+    connection = http.client.HTTPConnection("127.0.0.1", int(server.url.rsplit(":", 1)[1]))
+    connection.request("POST", path, body if isinstance(body, bytes) else json.dumps(body).encode())
+    response = connection.getresponse()
+    return response.status, json.loads(response.read())
+
+
+BAD_VALUES = [{"temperature": "hot"}, {"temperature": [1]}, {"temperature": -1},
+              {"temperature": 2.5}, {"seed": "x"}, {"seed": 1.5}, {"seed": 2**64},
+              {"max_tokens": True}, {"max_tokens": 0}, {"max_completion_tokens": "5"},
+              {"top_p": 1.5}, {"stop": 5}, {"stop": ["a", 1]}, {"stop": [""]},
+              {"n": 2}, {"presence_penalty": 0.5}, {"frequency_penalty": -1},
+              {"logit_bias": {"7": 5}}, {"top_k": 5},
+              {"messages": "hi"}, {"tools": "calculator"}, {"tools": [1]}]
+
+
+def test_bad_values_get_a_400_naming_them_and_never_reach_the_sampler():
+    tokenizer = tiny_tokenizer()
+    sampler = Recording(ScriptedSampler(tokenizer, scripted_replies(tokenizer)))
+    server, client = serving(sampler, tokenizer, max_new_tokens=5)
+    for fields in BAD_VALUES:
+        [field] = fields
+        status, reply = post(server, {"model": "m", "messages": OPENING, **fields})
+        problem = reply["error"]
+        assert (status, problem["param"], problem["type"]) == (400, field, "invalid_request_error")
+        assert problem["message"].startswith(field if field != "messages" else "'messages'"), reply
+    # Not UTF-8, not an object, not JSON, no messages:
+    for body in (b"\xff\xfe{}", b"[1]", b'{"messages": [', b"{}"):
+        status, reply = post(server, body)
+        assert status == 400 and reply["error"]["code"] in ("invalid_json", "invalid_value"), body
+    assert post(server, b"{}", "/v1/nowhere")[0] == 404 and sampler.calls == []
+    # A null temperature is the default; --max_new_tokens caps a reply, whatever max_tokens says.
+    reply = client.chat.completions.create(model="m", messages=OPENING, temperature=None,
+                                           max_tokens=50)
+    assert reply.usage.completion_tokens == 5 and reply.choices[0].finish_reason == "length"
+    assert sampler.options[0]["temperature"] == 1.0 and sampler.options[0]["top_p"] == 1.0
+    server.close()
+
+
+def test_an_unforeseen_failure_is_a_logged_500_with_openai_error_body_and_the_server_goes_on(capsys):
+    tokenizer = tiny_tokenizer()
+    sampler = Recording(ScriptedSampler(tokenizer, scripted_replies(tokenizer)))
+    server, client = serving(sampler, tokenizer)
+    status, reply = post(server, {"messages": OPENING, "temperature": 0.5})  # Recording fails
+    assert status == 500 and reply["error"]["type"] == "server_error"
+    assert "RuntimeError('the sampler broke')" in reply["error"]["message"]
+    assert "RuntimeError('the sampler broke')" in capsys.readouterr().err
+    assert client.chat.completions.create(model="m", messages=OPENING).choices[0].message.tool_calls
+    server.close()
+
+
+def test_stop_cuts_the_reply_as_vllm_does_and_the_trajectory_keeps_the_tokens_up_to_it():
+    tokenizer = tiny_tokenizer()
+    replies = scripted_replies(tokenizer)
+    sampler = Recording(ScriptedSampler(tokenizer, replies))
+    server, client = serving(sampler, tokenizer, temperature=0.7)
+    first = client.chat.completions.create(model="m", messages=OPENING, top_p=0.1,
+                                           stop=["zebra", '"arguments'])
+    assert first.choices[0].message.content == '<tool_call>\n{"name": "calculator", '
+    assert first.choices[0].finish_reason == "stop" and first.choices[0].message.tool_calls is None
+    # The token that completes the stop string, from the tokenizer's own offsets: the turn's last.
+    spans = tokenizer(TOOL_CALL, add_special_tokens=False, return_offsets_mapping=True)
+    stop_end = TOOL_CALL.index('"arguments') + len('"arguments')
+    end = 1 + next(t for t, (_, last) in enumerate(spans["offset_mapping"]) if last >= stop_end)
+    messages = [*OPENING, first.choices[0].message, {"role": "user", "content": "Go on."}]
+    client.chat.completions.create(model="m", messages=messages)
+    [conversation] = conversations_of(server, "")
+    server.close()
+    trajectory, prompt_length = conversation.trajectory, conversation.trajectory.prompt_length
+    sampled = slice(prompt_length, prompt_length + end)
+    assert trajectory.token_ids[sampled] == replies[0][0][:end]
+    assert trajectory.action_mask[sampled] == [1] * end
+    assert trajectory.logprobs[sampled] == sampler.calls[0][1][0].logprobs[:end]  # unchanged
+    # The policy did not end the turn: the env's <|im_end|> closes it (mask 0), then the message.
+    between = [tokenizer.convert_tokens_to_ids("<|im_end|>")]
+    between += observation_tokens(tokenizer, messages[-1:])
+    assert sampler.calls[1][0][0] == trajectory.token_ids[:prompt_length + end] + between
+    assert trajectory.action_mask[prompt_length + end:][:len(between)] == [0] * len(between)
+    # The trainer's sampling settings win over the request's (train.py --agent).
+    assert [(o["temperature"], o["top_p"]) for o in sampler.options] == [(0.7, 1.0), (0.7, 1.0)]
+    server, client = serving(Recording(ScriptedSampler(tokenizer, replies)), tokenizer)
+    for top_p, sent in ((0.1, 0.1), (0, 1e-9)):  # top_p 0: the most likely token only
+        client.chat.completions.create(model="m", messages=OPENING, top_p=top_p, temperature=0.3)
+        options = server.sampler.options[-1]
+        assert (options["top_p"], options["temperature"]) == (sent, 0.3)
     server.close()
 
 
