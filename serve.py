@@ -28,6 +28,9 @@ Episodes (train.py --agent): `play` runs the user's program once per episode wit
 ($NANOAGENT_EPISODE_ID) in its environment. Its last line of output is its reward: {"reward": 1.0, "success":
 true}, put on the last token of each of its segments. A program that crashes, hangs past the time-out (killed)
 or reports no reward loses its group for the step, and the log says why.
+When a program ends, so does its episode: a late request gets a 404, a queued turn is dropped, and
+play returns once no batch holding its turns is being sampled, so nothing is sampled on the policy
+during the update. (Once play has run, only play's running episodes are served.)
 """
 
 import argparse
@@ -82,6 +85,24 @@ def checked(body, field, default, low, high, kind=(int, float)):
     return value
 
 
+def read_options(body, max_new_tokens):
+    """The request's sampling options, checked: (max new tokens, temperature, top_p, seed, stop)."""
+    for field, neutral in NEUTRAL.items():
+        if body.get(field) not in (None, neutral):
+            raise RequestError(f"{field}={body[field]!r}: not supported by this endpoint "
+                               f"(only {neutral!r})", field, "unsupported_value")
+    limit = checked(body, "max_tokens", max_new_tokens, 1, math.inf, int)
+    limit = min(max_new_tokens, checked(body, "max_completion_tokens", limit, 1, math.inf, int))
+    temperature = checked(body, "temperature", 1.0, 0, 2)
+    # top_p 0 (the most likely token, as OpenAI reads it): the samplers' top-p keeps the top one
+    top_p = max(checked(body, "top_p", 1.0, 0, 1), 1e-9)
+    seed = checked(body, "seed", None, -2**63, 2**63 - 1, int)
+    stop = [body["stop"]] if isinstance(body.get("stop"), str) else body.get("stop") or []
+    if not isinstance(stop, list) or not all(isinstance(text, str) and text for text in stop):
+        raise RequestError(f"stop={body['stop']!r}: must be a string or a list of strings", "stop")
+    return limit, temperature, top_p, seed, stop
+
+
 def read_messages(messages):
     """The messages as the chat template takes them ({"role", "content", "tool_calls": [{"name", "arguments":
     {...}}]}), checked: known roles, and a tool message answers a call of the assistant turn before it."""
@@ -129,6 +150,7 @@ class Turn(NamedTuple):
     temperature: float
     top_p: float
     seed: int
+    episode: str
     done: Future  # set to its Generation
 
 
@@ -144,7 +166,9 @@ class Server:
         self.end_of_turn = tokenizer.convert_tokens_to_ids(rollout.END_OF_TURN)
         self.stop_token_ids = [tokenizer.convert_tokens_to_ids(token) for token in rollout.STOP_TOKENS]
         self.conversations, self.lock, self.turns = [], threading.Lock(), queue.Queue()  # of Turn
-        self.sample_seed, self.plays, self.seed_keys = 0, 0, {}  # play's: its step's seed, its calls, {id: key}
+        # play's running episodes, {id: (its step's sampling seed, its key)}, and its calls so far.
+        self.episodes, self.plays = {}, 0
+        self.sampling = threading.Lock()  # held by the sampler thread while it samples a batch
         self.http = HTTPServer((host, port), Handler)
         self.http.endpoint, self.url = self, f"http://{host}:{self.http.server_address[1]}"
         threading.Thread(target=self.sample_batches, daemon=True).start()
@@ -161,87 +185,102 @@ class Server:
                     batch.append(self.turns.get(timeout=left))
                 except queue.Empty:
                     break
-            for options in {(turn.temperature, turn.top_p) for turn in batch}:
-                rows = [turn for turn in batch if (turn.temperature, turn.top_p) == options]
-                try:
-                    generations = self.sampler.generate(
-                        [row.prompt for row in rows], [row.limit for row in rows],
-                        temperature=options[0], top_p=options[1],
-                        stop_token_ids=self.stop_token_ids, seed=[row.seed for row in rows])
-                    for row, generation in zip(rows, generations):
-                        row.done.set_result(generation)
-                except Exception as problem:  # those requests fail with it (a 500), the thread goes on
-                    for row in rows:
-                        row.done.set_exception(problem)
+            with self.sampling:  # play waits for it: once play returns, its turns are not sampled
+                with self.lock:
+                    closed = [turn for turn in batch if not self.is_open(turn.episode)]
+                for turn in closed:
+                    turn.done.set_exception(RequestError(f"episode {turn.episode!r} ended",
+                                                         code="episode_closed", status=404))
+                self.sample([turn for turn in batch if turn not in closed])
 
-    def extendable(self, episode, keys, messages):
-        """The idle conversation of `episode` (the longest) whose history `keys` extends by messages that are not
-        assistant turns, marked busy; None if there is none."""
+    def sample(self, batch):
+        """Sample a batch of turns (per temperature and top_p) and set each turn's result."""
+        for options in {(turn.temperature, turn.top_p) for turn in batch}:
+            rows = [turn for turn in batch if (turn.temperature, turn.top_p) == options]
+            try:
+                generations = self.sampler.generate(
+                    [row.prompt for row in rows], [row.limit for row in rows],
+                    temperature=options[0], top_p=options[1],
+                    stop_token_ids=self.stop_token_ids, seed=[row.seed for row in rows])
+                for row, generation in zip(rows, generations):
+                    row.done.set_result(generation)
+            except Exception as problem:  # those requests fail with it (a 500), the thread goes on
+                for row in rows:
+                    row.done.set_exception(problem)
+
+    def is_open(self, episode):
+        """Whether a request of `episode` is served: any, until play runs; then its running ones."""
+        return not self.plays or episode in self.episodes
+
+    def conversation_for(self, episode, keys, messages):
+        """The idle conversation of `episode` (the longest) whose history `keys` extends by messages
+        that are not assistant turns, else a new one (the episode's next segment); marked busy. A new
+        one is registered before its turn is sampled: concurrent first requests of an episode get
+        segments, so seeds, of their own."""
         with self.lock:
+            if not self.is_open(episode):  # a killed program's late request, or a stranger's
+                raise RequestError(f"episode {episode!r} is not running", code="episode_closed",
+                                   status=404)
             matches = [c for c in self.conversations if c.episode == episode and not c.busy
                        and len(keys) > len(c.keys) and keys[:len(c.keys)] == c.keys
                        and all(m["role"] != "assistant" for m in messages[len(c.keys) - 1:])]
             conversation = max(matches, key=lambda c: len(c.keys), default=None)
-            if conversation is not None:
-                conversation.busy = True
+            if conversation is None:
+                segment = sum(c.episode == episode for c in self.conversations)
+                conversation = Conversation(episode, [], rollout.Trajectory(
+                    token_ids=[], action_mask=[], logprobs=[], prompt_length=0, turn_rewards=[],
+                    turn_end_positions=[], turn_infos=[], score=0.0, group_id=0, seed=0,
+                    truncated=False, num_turns=0, messages=[],
+                    info={"success": False, "segment": segment}), [])
+                self.conversations.append(conversation)
+            conversation.busy = True
             return conversation
 
     def complete(self, episode, body):
         """One chat completion: the OpenAI response body. The turn is recorded in its conversation."""
-        for field, neutral in NEUTRAL.items():
-            if body.get(field) not in (None, neutral):
-                raise RequestError(f"{field}={body[field]!r}: not supported by this endpoint "
-                                   f"(only {neutral!r})", field, "unsupported_value")
-        limit = checked(body, "max_tokens", self.max_new_tokens, 1, math.inf, int)
-        limit = checked(body, "max_completion_tokens", limit, 1, math.inf, int)
-        temperature = checked(body, "temperature", 1.0, 0, 2)
-        top_p = checked(body, "top_p", 1.0, 0, 1)
+        limit, temperature, top_p, seed, stop = read_options(body, self.max_new_tokens)
         if self.temperature is not None:  # the trainer's sampling settings win
             temperature, top_p = self.temperature, 1.0
-        seed = checked(body, "seed", None, -2**63, 2**63 - 1, int)
-        stop = [body["stop"]] if isinstance(body.get("stop"), str) else body.get("stop") or []
-        if not isinstance(stop, list) or not all(isinstance(text, str) and text for text in stop):
-            raise RequestError(f"stop={body['stop']!r}: must be a string or a list of strings",
-                               "stop")
         messages, tool_schemas = read_messages(body.get("messages")), body.get("tools") or []
         if not isinstance(tool_schemas, list) or not all(isinstance(s, dict) for s in tool_schemas):
             raise RequestError("tools must be a list of function schemas", "tools")
-        keys = [json.dumps(tool_schemas, sort_keys=True)] + [json.dumps(m, sort_keys=True) for m in messages]
-        conversation = self.extendable(episode, keys, messages)
+        keys = [json.dumps(tool_schemas, sort_keys=True)]
+        keys += [json.dumps(message, sort_keys=True) for message in messages]
+        conversation = self.conversation_for(episode, keys, messages)
+        trajectory = conversation.trajectory
         try:
-            if conversation is not None:  # only the new messages are encoded, after the tokens already there
-                trajectory, new_messages = conversation.trajectory, messages[len(conversation.keys) - 1:]
-                new_tokens = conversation.closing + rollout.observation_tokens(self.tokenizer, new_messages)
-                history, segment = trajectory.token_ids, trajectory.info["segment"]
+            if trajectory.num_turns:  # it goes on: only the new messages are encoded
+                new_messages = messages[len(conversation.keys) - 1:]
+                observation = rollout.observation_tokens(self.tokenizer, new_messages)
+                new_tokens = conversation.closing + observation
             else:  # a new conversation, or a new segment of the episode: the whole history is its prompt
-                new_messages, history, segment = messages, [], sum(c.episode == episode for c in self.conversations)
-                new_tokens = rollout.encode_chat(self.tokenizer, messages, tool_schemas, add_generation_prompt=True)
-            length = len(history) + len(new_tokens)
+                new_messages = messages
+                new_tokens = rollout.encode_chat(self.tokenizer, messages, tool_schemas,
+                                                 add_generation_prompt=True)
+                trajectory.prompt_length = len(new_tokens)
+            length = len(trajectory.token_ids) + len(new_tokens)
             if length >= self.max_total_tokens:
-                raise RequestError(f"the conversation is {length} tokens, the context budget {self.max_total_tokens}",
-                                   "messages", "context_length_exceeded")
+                raise RequestError(f"the conversation is {length} tokens, the context budget "
+                                   f"{self.max_total_tokens}", "messages",
+                                   "context_length_exceeded")
             if seed is None:
-                seed = rollout.sample_seed_for(self.sample_seed, self.seed_keys.get(episode, episode), segment,
-                                               conversation.trajectory.num_turns if conversation else 0)
+                seed = rollout.sample_seed_for(*self.episodes.get(episode, (0, episode)),
+                                               trajectory.info["segment"], trajectory.num_turns)
+            limit = min(limit, self.max_total_tokens - length)
             done = Future()
-            # top_p 0 (the most likely token, as OpenAI reads it): the sampler's top-p keeps the top one
-            limit = min(limit, self.max_new_tokens, self.max_total_tokens - length)
-            self.turns.put(Turn(history + new_tokens, limit, temperature, max(top_p, 1e-9), seed, done))
+            self.turns.put(Turn(trajectory.token_ids + new_tokens, limit, temperature, top_p, seed,
+                                episode, done))
             generation = done.result()
         except BaseException:
-            if conversation is not None:  # unchanged: the client may still extend it
+            with self.lock:  # unchanged: the client may still extend it; a new one is forgotten
                 conversation.busy = False
+                if not trajectory.num_turns and conversation in self.conversations:
+                    self.conversations.remove(conversation)
             raise
-        if conversation is None:
-            conversation = Conversation(episode, keys, rollout.Trajectory(
-                token_ids=[], action_mask=[], logprobs=[], prompt_length=len(new_tokens), turn_rewards=[],
-                turn_end_positions=[], turn_infos=[], score=0.0, group_id=0, seed=0, truncated=False, num_turns=0,
-                messages=[], info={"success": False, "segment": segment}), [])
-            with self.lock:
-                self.conversations.append(conversation)
         message, finish_reason = self.record(conversation, new_messages, new_tokens, generation, stop)
         # What the client will send back as this turn: read as read_messages reads it, then.
-        conversation.keys, conversation.busy = keys + [json.dumps(read_messages([message])[0], sort_keys=True)], False
+        conversation.keys = keys + [json.dumps(read_messages([message])[0], sort_keys=True)]
+        conversation.busy = False
         return {"id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion", "created": int(time.time()),
                 "model": self.model_name,
                 "choices": [{"index": 0, "message": message, "finish_reason": finish_reason, "logprobs": None}],
@@ -292,8 +331,10 @@ class Server:
         except OSError as problem:
             return f"could not start: {problem}"
         finally:
-            with self.lock:
-                trajectories = [c.trajectory for c in self.conversations if c.episode == episode]
+            with self.lock:  # the episode ends: late requests are refused, queued turns dropped
+                del self.episodes[episode]
+                trajectories = [c.trajectory for c in self.conversations
+                                if c.episode == episode and c.trajectory.num_turns]
                 self.conversations = [c for c in self.conversations if c.episode != episode]
         last_line = (done.stdout.strip().splitlines() or [""])[-1]
         try:
@@ -320,12 +361,16 @@ class Server:
         episodes = [(group_id, seed) for group_id, seed in enumerate(seeds) for _ in range(group_size)]
         # Episode ids new at each call, so a killed program's late request joins no later episode; sampling seeds
         # from the step's and the episode's place in it, so a resumed run samples what an unbroken one would.
-        self.sample_seed, self.plays = sample_seed, self.plays + 1
+        self.plays += 1
         ids = [f"{self.plays}.{index}" for index in range(len(episodes))]
-        self.seed_keys = {episode: str(index) for index, episode in enumerate(ids)}
+        with self.lock:
+            self.episodes = {id: (sample_seed, str(index)) for index, id in enumerate(ids)}
         with ThreadPoolExecutor(len(episodes)) as pool:
-            results = list(pool.map(lambda index: self.play_one(program, ids[index], *episodes[index], timeout_s),
-                                    range(len(episodes))))
+            results = list(pool.map(
+                lambda index: self.play_one(program, ids[index], *episodes[index], timeout_s),
+                range(len(episodes))))
+        with self.sampling:  # a batch holding a killed program's turn ends before the update starts
+            pass
         dropped = {}
         for (group_id, seed), result in zip(episodes, results):
             if isinstance(result, str):

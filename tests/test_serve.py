@@ -6,6 +6,7 @@ import json
 import shutil
 import socket
 import sys
+import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -19,7 +20,7 @@ from nanoagent.models import tiny_model, tiny_tokenizer
 from nanoagent.report import trajectory_records
 from nanoagent.sampler import TorchSampler
 from serve import Server
-from rollout import encode_chat, observation_tokens, render
+from rollout import encode_chat, observation_tokens, render, sample_seed_for
 from tests.test_rollout import REPLIES, TOOL_CALL, ScriptedSampler, scripted_replies
 
 EXAMPLE_AGENT = Path(__file__).resolve().parent.parent / "examples" / "multihop_agent.py"
@@ -261,6 +262,56 @@ def test_stop_cuts_the_reply_as_vllm_does_and_the_trajectory_keeps_the_tokens_up
         client.chat.completions.create(model="m", messages=OPENING, top_p=top_p, temperature=0.3)
         options = server.sampler.options[-1]
         assert (options["top_p"], options["temperature"]) == (sent, 0.3)
+    server.close()
+
+
+def test_concurrent_first_requests_of_an_episode_get_segments_and_seeds_of_their_own():
+    tokenizer = tiny_tokenizer()
+    sampler = Recording(ScriptedSampler(tokenizer, scripted_replies(tokenizer)))
+    server, _ = serving(sampler, tokenizer, window_s=0.5)
+    episode = openai.OpenAI(base_url=f"{server.url}/episodes/e/v1", api_key="none", max_retries=0)
+    with ThreadPoolExecutor(4) as pool:
+        list(pool.map(lambda _: episode.chat.completions.create(model="m", messages=OPENING),
+                      range(4)))
+    segments = sorted(c.trajectory.info["segment"] for c in conversations_of(server, "e"))
+    seeds = sorted(seed for options in sampler.options for seed in options["seed"])
+    server.close()
+    assert segments == [0, 1, 2, 3]
+    assert seeds == sorted(sample_seed_for(0, "e", segment, 0) for segment in range(4))
+
+
+class Holding(Recording):
+    """Holds its first batch until play's episodes are over (a program that leaves mid-turn)."""
+
+    def generate(self, prompts, max_new_tokens, **options):
+        while self.server.episodes:
+            time.sleep(0.01)
+        generations = super().generate(prompts, max_new_tokens, **options)
+        self.returned = time.monotonic()
+        return generations
+
+
+def test_when_play_returns_its_episodes_are_over_and_nothing_of_theirs_is_sampled(tmp_path, capsys):
+    tokenizer = tiny_tokenizer()
+    sampler = Holding(ScriptedSampler(tokenizer, scripted_replies(tokenizer)))
+    server, _ = serving(sampler, tokenizer)
+    sampler.server = server
+    # Two turns in flight when the program exits: the first being sampled, the second queued.
+    leaving = program(tmp_path, "leaving", """import threading, time, openai
+client = openai.OpenAI(max_retries=0)
+for _ in range(2):
+    threading.Thread(target=client.chat.completions.create, daemon=True,
+                     kwargs={"model": "m", "messages": [{"role": "user", "content": "Q"}]}).start()
+    time.sleep(0.5)
+print('{"reward": 1.0}')
+""")
+    with pytest.raises(UserError, match="every group"):
+        server.play(leaving, [0], group_size=1, timeout_s=60)
+    returned = time.monotonic()
+    assert "made no request" in capsys.readouterr().out
+    assert len(sampler.calls) == 1 and sampler.returned < returned  # the queued turn: never sampled
+    status, reply = post(server, {"messages": OPENING}, "/episodes/1.0/v1/chat/completions")
+    assert (status, reply["error"]["code"]) == (404, "episode_closed")  # a late request
     server.close()
 
 
