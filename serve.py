@@ -28,6 +28,8 @@ Episodes (train.py --agent): `play` runs the user's program once per episode wit
 ($NANOAGENT_EPISODE_ID) in its environment. Its last line of output is its reward: {"reward": 1.0, "success":
 true}, put on the last token of each of its segments. A program that crashes, hangs past the time-out (killed)
 or reports no reward loses its group for the step, and the log says why.
+Each runs in a session of its own, killed as a group when it ends, and only a tail of its output is
+kept: a program that starts helpers or prints without end costs nothing once its episode is over.
 When a program ends, so does its episode: a late request gets a 404, a queued turn is dropped, and
 play returns once no batch holding its turns is being sampled, so nothing is sampled on the policy
 during the update. (Once play has run, only play's running episodes are served.)
@@ -40,6 +42,7 @@ import os
 import queue
 import re
 import shlex
+import signal
 import subprocess
 import threading
 import time
@@ -323,11 +326,8 @@ class Server:
         the reward it reported, or why it failed (a string). Its conversations are forgotten here either way."""
         environment = {**os.environ, "OPENAI_BASE_URL": f"{self.url}/episodes/{episode}/v1",
                        "OPENAI_API_KEY": "nanoagent", "NANOAGENT_TASK_SEED": str(seed), "NANOAGENT_EPISODE_ID": episode}
-        try:  # subprocess.run kills the program at the time-out
-            done = subprocess.run(shlex.split(program), env=environment, capture_output=True, text=True,
-                                  timeout=timeout_s)
-        except subprocess.TimeoutExpired:
-            return f"ran past {timeout_s}s and was killed"
+        try:
+            returncode, output, errors = run_program(program, environment, timeout_s)
         except OSError as problem:
             return f"could not start: {problem}"
         finally:
@@ -336,15 +336,17 @@ class Server:
                 trajectories = [c.trajectory for c in self.conversations
                                 if c.episode == episode and c.trajectory.num_turns]
                 self.conversations = [c for c in self.conversations if c.episode != episode]
-        last_line = (done.stdout.strip().splitlines() or [""])[-1]
+        if returncode is None:
+            return f"ran past {timeout_s}s and was killed"
+        last_line = (output.strip().splitlines() or [""])[-1]
         try:
             report = json.loads(last_line)
         except ValueError:
             report = None
         reward = report.get("reward") if isinstance(report, dict) else None
         reward = float(reward) if isinstance(reward, (int, float)) else None  # a JSON number, as documented
-        if done.returncode != 0 or reward is None or not trajectories:
-            why = (f"exit code {done.returncode}: {done.stderr.strip()[-300:]}" if done.returncode != 0 else
+        if returncode != 0 or reward is None or not trajectories:
+            why = (f"exit code {returncode}: {errors.strip()[-300:]}" if returncode != 0 else
                    "no reward reported" if reward is None else "it made no request")
             return f"{why}; its last line: {last_line[-200:]!r}"
         for trajectory in trajectories:
@@ -386,6 +388,35 @@ class Server:
         """Stop answering and free the port."""
         self.http.shutdown()
         self.http.server_close()
+
+
+def run_program(command, environment, timeout_s):
+    """Run a command line in a session (process group) of its own: (its exit code, None if it ran
+    past timeout_s; the tail of its output; of its errors). The group is killed when the command
+    ends or times out, so nothing it started outlives it; its output is read in chunks, a tail
+    kept."""
+    with subprocess.Popen(shlex.split(command), env=environment, stdout=subprocess.PIPE,
+                          stderr=subprocess.PIPE, start_new_session=True) as process:
+        with ThreadPoolExecutor(2) as readers:  # they read until the last of the group is gone
+            streams = (process.stdout, process.stderr)
+            tails = [readers.submit(read_tail, stream) for stream in streams]
+            try:
+                returncode = process.wait(timeout_s)
+            except subprocess.TimeoutExpired:
+                returncode = None
+            try:
+                os.killpg(process.pid, signal.SIGKILL)
+            except ProcessLookupError:  # no process of the group is left
+                pass
+    return returncode, *(tail.result().decode(errors="replace") for tail in tails)
+
+
+def read_tail(stream, keep=8192):
+    """The last `keep` bytes of a stream read to its end: a program may print without bound."""
+    tail = b""
+    while chunk := stream.read(65536):
+        tail = (tail + chunk)[-keep:]
+    return tail
 
 
 class HTTPServer(ThreadingHTTPServer):

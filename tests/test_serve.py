@@ -2,7 +2,9 @@
 tool calls, batching of concurrent conversations, OpenAI-style errors, episodes played by outside programs."""
 
 import http.client
+import io
 import json
+import resource
 import shutil
 import socket
 import sys
@@ -19,7 +21,7 @@ from nanoagent.common import UserError
 from nanoagent.models import tiny_model, tiny_tokenizer
 from nanoagent.report import trajectory_records
 from nanoagent.sampler import TorchSampler
-from serve import Server
+from serve import Server, read_tail
 from rollout import encode_chat, observation_tokens, render, sample_seed_for
 from tests.test_rollout import REPLIES, TOOL_CALL, ScriptedSampler, scripted_replies
 
@@ -376,6 +378,52 @@ print("no reward" if seed == 3 else json.dumps({"reward": 1.0}))
         server.play(str(tmp_path / "no-such-program"), [0], group_size=1, timeout_s=30)
     assert "could not start" in capsys.readouterr().out
     server.close()
+
+
+def alive(pid):
+    """Whether process `pid` runs (a zombie, dead but not yet reaped by its parent, does not)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def test_a_program_is_killed_with_everything_it_started_at_its_time_out_and_when_it_exits(tmp_path):
+    tokenizer = tiny_tokenizer()
+    server, _ = serving(ScriptedSampler(tokenizer, scripted_replies(tokenizer)), tokenizer)
+    pids = tmp_path / "pids"
+    spawner = program(tmp_path, "spawner", f"""import os, subprocess, sys, time
+helper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+with open({str(pids)!r}, "a") as pids:
+    print(helper.pid, file=pids)
+if os.environ["NANOAGENT_TASK_SEED"] == "0":
+    time.sleep(600)  # hangs: killed at the time-out
+print('{{"reward": 1.0}}')  # leaves its helper running
+""")
+    with pytest.raises(UserError, match="every group"):  # neither made a request
+        server.play(spawner, [0, 1], group_size=1, timeout_s=5)
+    server.close()
+    helpers = [int(pid) for pid in pids.read_text().split()]
+    deadline = time.monotonic() + 10  # the killed helpers' new parent reaps them
+    while any(map(alive, helpers)) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert len(helpers) == 2 and not any(map(alive, helpers))
+
+
+def test_a_program_printing_hundreds_of_megabytes_leaves_the_trainers_memory_flat(tiny, tmp_path):
+    model, tokenizer = tiny
+    server, _ = serving(TorchSampler(model), tokenizer, max_new_tokens=4)
+    flood = program(tmp_path, "flood", CALLER + """import sys
+for _ in range(300):
+    sys.stdout.write("x" * 2**20 + "\\n")
+print(json.dumps({"reward": 0.5}))
+""")
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB
+    [trajectory] = server.play(flood, [0], group_size=1, timeout_s=120)
+    server.close()
+    assert trajectory.score == 0.5  # its last line, after 300 MiB
+    assert resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - peak < 50 * 1024
+    assert len(read_tail(io.BytesIO(b"y" * 10**6 + b"end"), keep=100)) == 100
 
 
 def test_the_example_agent_plays_an_episode_through_the_endpoint(tiny):
