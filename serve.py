@@ -5,13 +5,17 @@ Serve the policy behind an OpenAI-compatible endpoint, and record what it sample
     OPENAI_BASE_URL=http://127.0.0.1:8000/v1 OPENAI_API_KEY=none python my_agent.py   # any agent, unchanged
 
 Agents are mostly written already, as loops over the `openai` client, so the policy answers
-`POST /v1/chat/completions` (whole replies; `tools`, `tool_choice` "auto", `temperature`, `top_p`,
-`max_tokens` (at most --max_new_tokens), `seed`, `stop`; other fields ignored, as OpenAI's and vLLM's
-servers do, except sampling options the samplers cannot honour: NEUTRAL) and `GET /v1/models`, like
-AReaL's proxy or Agent Lightning. Hermes `<tool_call>` blocks in a reply come back as OpenAI
-`tool_calls` (tools.parse_tool_calls). Values are checked as they arrive: a bad one gets a 400 naming
-it (OpenAI's error body), whatever fails later a 500; the sampler thread sees checked values only.
-Under train.py --agent the trainer's temperature (and top_p 1) win: the update scores at those.
+`POST /v1/chat/completions` and `GET /v1/models`, like AReaL's proxy or Agent Lightning: `tools`,
+`tool_choice`, `temperature`, `top_p`, `max_tokens` (at most --max_new_tokens), `seed`, `stop`
+(cut as vLLM cuts), `logprobs` (the recorded ones), `stream` (the whole reply in OpenAI's chunks);
+other fields are ignored, as OpenAI's and vLLM's servers do, but sampling options the samplers
+cannot honour are refused (NEUTRAL). Hermes `<tool_call>` blocks in a reply come back as OpenAI
+`tool_calls` (tools.parse_tool_calls). tool_choice "required" or a named function forces the
+reply's opening (`<tool_call>\n`, for a name up to its arguments) as tokens the sampler continues
+from, mask 0: not the policy's choice. A forced call that still does not parse comes back as text,
+an invalid call in the turn's info. Values are checked as they arrive: a bad one gets a 400 naming
+it (OpenAI's error body), whatever fails later a 500. Under train.py --agent the trainer's
+temperature (and top_p 1) win: the update scores the tokens at those.
 
 Token in, token out through a text API: encoding the request's text again would not give the sampled tokens
 (rollout.py's docstring). So each conversation keeps its tokens (a rollout.Trajectory); a request whose messages
@@ -27,12 +31,11 @@ Episodes (train.py --agent): `play` runs the user's program once per episode wit
 ($OPENAI_BASE_URL = .../episodes/<id>/v1), the task seed ($NANOAGENT_TASK_SEED) and the episode's id
 ($NANOAGENT_EPISODE_ID) in its environment. Its last line of output is its reward: {"reward": 1.0, "success":
 true}, put on the last token of each of its segments. A program that crashes, hangs past the time-out (killed)
-or reports no reward loses its group for the step, and the log says why.
-Each runs in a session of its own, killed as a group when it ends, and only a tail of its output is
-kept: a program that starts helpers or prints without end costs nothing once its episode is over.
-When a program ends, so does its episode: a late request gets a 404, a queued turn is dropped, and
-play returns once no batch holding its turns is being sampled, so nothing is sampled on the policy
-during the update. (Once play has run, only play's running episodes are served.)
+or reports no reward loses its group for the step, and the log says why (with the requests refused).
+Each runs in a session of its own, killed as a group when it ends; a tail of its output is kept. Its
+episode ends with it: a late request gets a 404, a queued turn is dropped, and play returns once no
+batch holding its turns is being sampled: nothing is sampled during the update. (Once play has run,
+only its running episodes are served.)
 """
 
 import argparse
@@ -72,9 +75,9 @@ class RequestError(ValueError):
 
 
 # Options the samplers cannot honour: refused unless absent or neutral, never silently ignored.
+# (top_logprobs: the samplers give the sampled token's log-prob only.)
 NEUTRAL = {"n": 1, "presence_penalty": 0, "frequency_penalty": 0, "repetition_penalty": 1,
-           "logit_bias": {}, "top_k": -1, "min_p": 0, "best_of": 1,
-           "logprobs": False, "top_logprobs": 0, "stream": False, "tool_choice": "auto"}
+           "logit_bias": {}, "top_k": -1, "min_p": 0, "best_of": 1, "top_logprobs": 0}
 
 
 def checked(body, field, default, low, high, kind=(int, float)):
@@ -92,7 +95,7 @@ def read_options(body, max_new_tokens):
     """The request's sampling options, checked: (max new tokens, temperature, top_p, seed, stop)."""
     for field, neutral in NEUTRAL.items():
         if body.get(field) not in (None, neutral):
-            raise RequestError(f"{field}={body[field]!r}: not supported by this endpoint "
+            raise RequestError(f"{field}={body[field]!r}: the samplers here cannot honour it "
                                f"(only {neutral!r})", field, "unsupported_value")
     limit = checked(body, "max_tokens", max_new_tokens, 1, math.inf, int)
     limit = min(max_new_tokens, checked(body, "max_completion_tokens", limit, 1, math.inf, int))
@@ -104,6 +107,21 @@ def read_options(body, max_new_tokens):
     if not isinstance(stop, list) or not all(isinstance(text, str) and text for text in stop):
         raise RequestError(f"stop={body['stop']!r}: must be a string or a list of strings", "stop")
     return limit, temperature, top_p, seed, stop
+
+
+def opening_for(tool_choice, tool_schemas):
+    """The text tool_choice makes a reply open with: "" for "auto" and "none", a tool call's opening
+    for "required", and up to the arguments for a named function."""
+    names = [schema.get("function", {}).get("name") for schema in tool_schemas]
+    if tool_choice in (None, "auto", "none"):
+        return ""
+    name = tool_choice.get("function", {}).get("name") if isinstance(tool_choice, dict) else None
+    if tool_choice == "required" and names or name in names and name is not None:
+        named = f'{{"name": {json.dumps(name)}, "arguments": ' if name else ""
+        return f"{tools.OPEN_TAG}\n{named}"
+    raise RequestError(f"tool_choice={tool_choice!r}: must be 'auto', 'none', 'required' or a "
+                       "tool of tools as {'type': 'function', 'function': {'name': NAME}}",
+                       "tool_choice")
 
 
 def read_messages(messages):
@@ -171,6 +189,7 @@ class Server:
         self.conversations, self.lock, self.turns = [], threading.Lock(), queue.Queue()  # of Turn
         # play's running episodes, {id: (its step's sampling seed, its key)}, and its calls so far.
         self.episodes, self.plays = {}, 0
+        self.refusals = {}  # play's episodes' refused requests, {id: ["400 why", ...]}, for its log
         self.sampling = threading.Lock()  # held by the sampler thread while it samples a batch
         self.http = HTTPServer((host, port), Handler)
         self.http.endpoint, self.url = self, f"http://{host}:{self.http.server_address[1]}"
@@ -247,6 +266,7 @@ class Server:
         messages, tool_schemas = read_messages(body.get("messages")), body.get("tools") or []
         if not isinstance(tool_schemas, list) or not all(isinstance(s, dict) for s in tool_schemas):
             raise RequestError("tools must be a list of function schemas", "tools")
+        opening = opening_for(body.get("tool_choice"), tool_schemas)
         keys = [json.dumps(tool_schemas, sort_keys=True)]
         keys += [json.dumps(message, sort_keys=True) for message in messages]
         conversation = self.conversation_for(episode, keys, messages)
@@ -261,6 +281,8 @@ class Server:
                 new_tokens = rollout.encode_chat(self.tokenizer, messages, tool_schemas,
                                                  add_generation_prompt=True)
                 trajectory.prompt_length = len(new_tokens)
+            # A forced opening is not the policy's choice (mask 0); the sampler continues from it.
+            new_tokens = new_tokens + rollout.encode_text(self.tokenizer, opening)
             length = len(trajectory.token_ids) + len(new_tokens)
             if length >= self.max_total_tokens:
                 raise RequestError(f"the conversation is {length} tokens, the context budget "
@@ -280,21 +302,30 @@ class Server:
                 if not trajectory.num_turns and conversation in self.conversations:
                     self.conversations.remove(conversation)
             raise
-        message, finish_reason = self.record(conversation, new_messages, new_tokens, generation, stop)
+        message, finish_reason, sampled, logprobs = self.record(
+            conversation, new_messages, new_tokens, generation, stop, opening,
+            parse=body.get("tool_choice") != "none")
         # What the client will send back as this turn: read as read_messages reads it, then.
         conversation.keys = keys + [json.dumps(read_messages([message])[0], sort_keys=True)]
         conversation.busy = False
-        return {"id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion", "created": int(time.time()),
-                "model": self.model_name,
-                "choices": [{"index": 0, "message": message, "finish_reason": finish_reason, "logprobs": None}],
+        wanted = body.get("logprobs")
+        pieces = [self.tokenizer.decode([token]) for token in sampled] if wanted else []
+        return {"id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion",
+                "created": int(time.time()), "model": self.model_name,
+                "choices": [{"index": 0, "message": message, "finish_reason": finish_reason,
+                             "logprobs": {"content": [  # the log-probs the trajectory records
+                                 {"token": piece, "logprob": logprob, "bytes": list(piece.encode()),
+                                  "top_logprobs": []} for piece, logprob in zip(pieces, logprobs)]}
+                             if pieces else None}],
                 "usage": {"prompt_tokens": length, "completion_tokens": len(generation.token_ids),
                           "total_tokens": length + len(generation.token_ids)}}
 
-    def record(self, conversation, new_messages, new_tokens, generation, stop):
-        """Append the new messages' tokens (mask 0) and the sampled turn (mask 1, with its log-probs) to the
-        conversation's trajectory; returns the reply as OpenAI's message, and the finish reason.
-        A reply holding a stop string is cut as vLLM cuts it: the text before it, the tokens up to the
-        one that completes it."""
+    def record(self, conversation, new_messages, new_tokens, generation, stop, opening, parse):
+        """Append the new messages' tokens (mask 0), the sampled turn (mask 1, with its log-probs)
+        to the conversation's trajectory; returns the reply as OpenAI's message (`opening`, then the
+        sampled text; tool calls parsed if `parse`), the finish reason, and the tokens the sampled
+        text decodes with their log-probs. A reply holding a stop string is cut as vLLM cuts it: the
+        text before it, the tokens up to the one that completes it."""
         sampled, conversation.closing = rollout.close_turn(generation, self.end_of_turn)
         text = self.tokenizer.decode(sampled)  # for the client; never encoded again
         if any(string in text for string in stop):
@@ -302,24 +333,29 @@ class Server:
                        if any(string in self.tokenizer.decode(sampled[:end]) for string in stop))
             text = self.tokenizer.decode(sampled[:end])
             text = text[:min(text.index(string) for string in stop if string in text)]
-            generation = Generation(sampled[:end], generation.logprobs[:end], "stop")
+            sampled = sampled[:end]
+            generation = Generation(sampled, generation.logprobs[:end], "stop")
             conversation.closing = [self.end_of_turn]  # the policy did not end its turn: the env does
+        text = opening + text
         trajectory = conversation.trajectory
         rollout.append(trajectory, new_tokens, 0)
         rollout.append(trajectory, generation.token_ids, 1, generation.logprobs)
         trajectory.turn_end_positions.append(len(trajectory.token_ids) - 1)
         trajectory.turn_rewards.append(0.0)
         trajectory.num_turns += 1
-        calls = tools.parse_tool_calls(text)
+        calls = tools.parse_tool_calls(text) if parse else []
         trajectory.turn_infos.append({"tool_calls": len(calls), "invalid_calls": sum(bool(c.error) for c in calls),
                                       "format_error": False, "calls": [asdict(call) for call in calls]})
         trajectory.messages += new_messages + [{"role": "assistant", "content": text}]  # the turns as sampled
+        reply_tokens = sampled, generation.logprobs[:len(sampled)]  # what the reply's text decodes
         if not calls or any(call.error for call in calls):  # no call, or a malformed one: the text as it is
-            return {"role": "assistant", "content": text}, "stop" if generation.finish_reason == "stop" else "length"
+            finish_reason = "stop" if generation.finish_reason == "stop" else "length"
+            return {"role": "assistant", "content": text}, finish_reason, *reply_tokens
         content = text[:text.index(tools.OPEN_TAG)].strip()  # what precedes the calls, as vLLM's Hermes parser
         return {"role": "assistant", "content": content or None, "tool_calls": [
             {"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
-             "function": {"name": call.name, "arguments": json.dumps(call.arguments)}} for call in calls]}, "tool_calls"
+             "function": {"name": call.name, "arguments": json.dumps(call.arguments)}}
+            for call in calls]}, "tool_calls", *reply_tokens
 
     def play_one(self, program, episode, group_id, seed, timeout_s):
         """Run `program` for one episode of task `seed`: the trajectories of its conversations (segments), with
@@ -347,7 +383,9 @@ class Server:
         reward = float(reward) if isinstance(reward, (int, float)) else None  # a JSON number, as documented
         if returncode != 0 or reward is None or not trajectories:
             why = (f"exit code {returncode}: {errors.strip()[-300:]}" if returncode != 0 else
-                   "no reward reported" if reward is None else "it made no request")
+                   "no reward reported" if reward is None else "no request of it was answered")
+            refused = self.refusals[episode]
+            why += f"; {len(refused)} requests refused, the first: {refused[0]}" if refused else ""
             return f"{why}; its last line: {last_line[-200:]!r}"
         for trajectory in trajectories:
             trajectory.turn_rewards[-1] = trajectory.score = reward
@@ -367,6 +405,7 @@ class Server:
         ids = [f"{self.plays}.{index}" for index in range(len(episodes))]
         with self.lock:
             self.episodes = {id: (sample_seed, str(index)) for index, id in enumerate(ids)}
+            self.refusals = {id: [] for id in ids}
         with ThreadPoolExecutor(len(episodes)) as pool:
             results = list(pool.map(
                 lambda index: self.play_one(program, ids[index], *episodes[index], timeout_s),
@@ -452,8 +491,11 @@ class Handler(BaseHTTPRequestHandler):
             if not isinstance(request, dict):
                 raise RequestError("the body must be a JSON object", code="invalid_json")
             status, reply = 200, self.server.endpoint.complete(episode, request)
+            if request.get("stream"):
+                reply = events(reply, (request.get("stream_options") or {}).get("include_usage"))
         except RequestError as problem:
             status, reply = problem.status, error(str(problem), problem.param, problem.code)
+            self.server.endpoint.refusals.get(episode, []).append(f"{status} {problem}")
         except Exception as problem:  # a bug or a sampler failure: this request fails, the server goes on
             self.log_error("%r", problem)
             reply = error(f"the server failed: {problem!r}", None, "server_error", "server_error")
@@ -461,10 +503,12 @@ class Handler(BaseHTTPRequestHandler):
         self.send_json(status, reply)
 
     def send_json(self, status, body):
-        data = json.dumps(body).encode()
+        """Send a JSON body, or Server-Sent Events (bytes)."""
+        data = body if isinstance(body, bytes) else json.dumps(body).encode()
         try:
             self.send_response(status)
-            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Type", "text/event-stream" if isinstance(body, bytes)
+                             else "application/json")
             self.send_header("Content-Length", str(len(data)))
             self.end_headers()
             self.wfile.write(data)
@@ -474,6 +518,27 @@ class Handler(BaseHTTPRequestHandler):
     def log_request(self, code="-", size="-"):  # 64 agents' requests would bury the log: errors
         if str(code).startswith(("4", "5")):
             super().log_request(code, size)
+
+
+def events(completion, include_usage):
+    """A completion as OpenAI streams one (Server-Sent Events of chat.completion.chunk): the reply
+    in one delta, its tool calls in the next, the finish reason, the usage if asked, [DONE]. It was
+    sampled whole, so it is sent at once: recording and batching are as without streaming."""
+    [choice], message = completion["choices"], completion["choices"][0]["message"]
+    deltas = [{"role": "assistant", "content": message["content"]}]
+    if "tool_calls" in message:
+        deltas.append({"tool_calls": [{"index": index, **call}
+                                      for index, call in enumerate(message["tool_calls"])]})
+    chunks = [[{"index": 0, "delta": delta, "finish_reason": None,
+                "logprobs": None if index else choice["logprobs"]}]
+              for index, delta in enumerate(deltas)]
+    chunks.append([{"index": 0, "delta": {}, "finish_reason": choice["finish_reason"]}])
+    head = {key: completion[key] for key in ("id", "created", "model")}
+    lines = [{**head, "object": "chat.completion.chunk", "choices": choices} for choices in chunks]
+    if include_usage:
+        lines.append({**head, "object": "chat.completion.chunk", "choices": [],
+                      "usage": completion["usage"]})
+    return "".join(f"data: {json.dumps(line)}\n\n" for line in lines).encode() + b"data: [DONE]\n\n"
 
 
 def error(message, param=None, code=None, kind="invalid_request_error"):

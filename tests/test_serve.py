@@ -157,13 +157,12 @@ def bad_request(client, code=None, **request):
 def test_bad_requests_get_openai_errors_and_the_server_goes_on():
     tokenizer = tiny_tokenizer()
     server, client = serving(ScriptedSampler(tokenizer, scripted_replies(tokenizer)), tokenizer, max_total_tokens=400)
-    assert "stream=True" in bad_request(client, stream=True)
     assert "n=2" in bad_request(client, n=2)
     assert "unknown role" in bad_request(client, messages=[{"role": "wizard", "content": "hi"}])
     assert "answers no tool call" in bad_request(client, messages=[*OPENING, {"role": "tool", "tool_call_id": "x",
                                                                                "content": "7"}])
     bad_request(client, code="context_length_exceeded", messages=[{"role": "user", "content": "many words " * 300}])
-    assert "tool_choice='required'" in bad_request(client, tool_choice="required", tools=CALCULATOR)
+    assert "tool_choice='required'" in bad_request(client, tool_choice="required")  # no tools
     connection = http.client.HTTPConnection("127.0.0.1", int(server.url.rsplit(":", 1)[1]))
     connection.request("POST", "/v1/chat/completions", body=b'{"messages": [', headers={"Content-Type": "json"})
     response = connection.getresponse()
@@ -178,12 +177,18 @@ def test_bad_requests_get_openai_errors_and_the_server_goes_on():
     server.close()
 
 
-def post(server, body, path="/v1/chat/completions"):
-    """(status, JSON reply) of one POST of raw bytes or a JSON body, as any client sends it."""
+def post_raw(server, body, path="/v1/chat/completions"):
+    """(status, reply bytes) of one POST of raw bytes or a JSON body, as any client sends it."""
     connection = http.client.HTTPConnection("127.0.0.1", int(server.url.rsplit(":", 1)[1]))
     connection.request("POST", path, body if isinstance(body, bytes) else json.dumps(body).encode())
     response = connection.getresponse()
-    return response.status, json.loads(response.read())
+    return response.status, response.read()
+
+
+def post(server, body, path="/v1/chat/completions"):
+    """(status, JSON reply) of one POST."""
+    status, reply = post_raw(server, body, path)
+    return status, json.loads(reply)
 
 
 BAD_VALUES = [{"temperature": "hot"}, {"temperature": [1]}, {"temperature": -1},
@@ -310,10 +315,100 @@ print('{"reward": 1.0}')
     with pytest.raises(UserError, match="every group"):
         server.play(leaving, [0], group_size=1, timeout_s=60)
     returned = time.monotonic()
-    assert "made no request" in capsys.readouterr().out
+    assert "no request of it was answered" in capsys.readouterr().out
     assert len(sampler.calls) == 1 and sampler.returned < returned  # the queued turn: never sampled
     status, reply = post(server, {"messages": OPENING}, "/episodes/1.0/v1/chat/completions")
     assert (status, reply["error"]["code"]) == (404, "episode_closed")  # a late request
+    server.close()
+
+
+NAMED = {"type": "function", "function": {"name": "calculator"}}
+
+
+@pytest.mark.parametrize("tool_choice", ["required", NAMED])
+def test_tool_choice_forces_the_calls_opening_with_mask_0_and_the_sampler_continues_it(tool_choice):
+    tokenizer = tiny_tokenizer()
+    opening = "<tool_call>\n"
+    opening += '{"name": "calculator", "arguments": ' if tool_choice == NAMED else ""
+    rest = tokenizer.encode(TOOL_CALL[len(opening):], add_special_tokens=False)
+    rest += [tokenizer.convert_tokens_to_ids("<|im_end|>")]
+    sampler = Recording(ScriptedSampler(tokenizer, [(rest, "stop")]))
+    server, client = serving(sampler, tokenizer)
+    reply = client.chat.completions.create(model="m", messages=OPENING, tools=CALCULATOR,
+                                           tool_choice=tool_choice)
+    [conversation] = conversations_of(server, "")
+    server.close()
+    [call] = reply.choices[0].message.tool_calls
+    assert (call.function.name, json.loads(call.function.arguments)) == ("calculator",
+                                                                         {"expression": "3 + 4"})
+    prompt = encode_chat(tokenizer, OPENING, CALCULATOR, add_generation_prompt=True)
+    forced = tokenizer.encode(opening, add_special_tokens=False)
+    assert sampler.calls[0][0] == [prompt + forced]  # the sampler continues from the opening
+    trajectory = conversation.trajectory
+    assert trajectory.token_ids == prompt + forced + rest
+    assert trajectory.prompt_length == len(prompt)
+    assert trajectory.action_mask == [0] * (len(prompt) + len(forced)) + [1] * len(rest)
+
+
+def test_tool_choice_none_parses_no_call_and_a_forced_call_that_does_not_parse_comes_back_as_text():
+    tokenizer = tiny_tokenizer()
+    end = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    sampler = ScriptedSampler(tokenizer, [(tokenizer.encode(TOOL_CALL) + [end], "stop")])
+    server, client = serving(sampler, tokenizer)
+    reply = client.chat.completions.create(model="m", messages=OPENING, tools=CALCULATOR,
+                                           tool_choice="none").choices[0]
+    message = reply.message
+    assert (message.content, message.tool_calls, reply.finish_reason) == (TOOL_CALL, None, "stop")
+    sampler.replies = [(tokenizer.encode(" oops") + [end], "stop")]
+    reply = client.chat.completions.create(model="m", messages=OPENING, tools=CALCULATOR,
+                                           tool_choice="required").choices[0]
+    assert (reply.message.content, reply.message.tool_calls) == ("<tool_call>\n oops", None)
+    assert conversations_of(server, "")[-1].trajectory.turn_infos[0]["invalid_calls"] == 1
+    server.close()
+
+
+def test_a_streamed_reply_is_the_whole_reply_in_openai_chunks_and_is_recorded_as_one():
+    tokenizer = tiny_tokenizer()
+    replies = scripted_replies(tokenizer)
+    server, client = serving(Recording(ScriptedSampler(tokenizer, replies)), tokenizer)
+    stream = client.chat.completions.create(model="m", messages=OPENING, tools=CALCULATOR,
+                                            stream=True, stream_options={"include_usage": True},
+                                            logprobs=True)
+    chunks = list(stream)
+    deltas = [chunk.choices[0].delta for chunk in chunks if chunk.choices]
+    [call] = [call for delta in deltas for call in delta.tool_calls or []]
+    assert (call.index, call.function.name, json.loads(call.function.arguments)) == (
+        0, "calculator", {"expression": "3 + 4"})
+    assert [chunk.choices[0].finish_reason for chunk in chunks if chunk.choices][-1] == "tool_calls"
+    assert chunks[-1].usage.completion_tokens == len(replies[0][0]) and not chunks[-1].choices
+    logprobs = [token.logprob for token in chunks[0].choices[0].logprobs.content]
+    assert logprobs == server.sampler.calls[0][1][0].logprobs[:-1]  # recorded, bar <|im_end|>
+    status, raw = post_raw(server, {"messages": OPENING, "stream": True})
+    assert status == 200 and raw.endswith(b"data: [DONE]\n\n")
+    # The client's rebuilt message extends the conversation: one trajectory.
+    tool_call = {"id": call.id, "type": "function",
+                 "function": {"name": call.function.name, "arguments": call.function.arguments}}
+    messages = [*OPENING, {"role": "assistant", "content": None, "tool_calls": [tool_call]},
+                {"role": "tool", "tool_call_id": call.id, "content": "7"}]
+    client.chat.completions.create(model="m", messages=messages, tools=CALCULATOR)
+    assert [c.trajectory.num_turns for c in conversations_of(server, "")] == [2, 1]
+    server.close()
+
+
+def test_logprobs_are_the_recorded_ones_in_openai_shape_and_top_logprobs_are_refused():
+    tokenizer = tiny_tokenizer()
+    replies = scripted_replies(tokenizer)
+    sampler = Recording(ScriptedSampler(tokenizer, replies))
+    server, client = serving(sampler, tokenizer)
+    reply = client.chat.completions.create(model="m", messages=OPENING, logprobs=True,
+                                           top_logprobs=0)
+    content = reply.choices[0].logprobs.content
+    assert [token.logprob for token in content] == sampler.calls[0][1][0].logprobs[:-1]
+    assert "".join(token.token for token in content) == TOOL_CALL
+    assert bytes(content[0].bytes).decode() == content[0].token and content[0].top_logprobs == []
+    assert client.chat.completions.create(model="m", messages=OPENING).choices[0].logprobs is None
+    refusal = bad_request(client, "unsupported_value", logprobs=True, top_logprobs=2)
+    assert "top_logprobs=2" in refusal
     server.close()
 
 
@@ -424,6 +519,25 @@ print(json.dumps({"reward": 0.5}))
     assert trajectory.score == 0.5  # its last line, after 300 MiB
     assert resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - peak < 50 * 1024
     assert len(read_tail(io.BytesIO(b"y" * 10**6 + b"end"), keep=100)) == 100
+
+
+def test_a_dropped_groups_log_line_names_the_refusals_its_program_got(tmp_path, capsys):
+    tokenizer = tiny_tokenizer()
+    server, _ = serving(ScriptedSampler(tokenizer, scripted_replies(tokenizer)), tokenizer)
+    refused = program(tmp_path, "refused", """import openai
+client = openai.OpenAI(max_retries=0)
+for _ in range(3):
+    try:
+        client.chat.completions.create(model="m", messages=[{"role": "user", "content": "Q"}],
+                                       tool_choice="any")
+    except openai.BadRequestError:
+        pass
+print('{"reward": 1.0}')
+""")
+    with pytest.raises(UserError, match="every group"):
+        server.play(refused, [0], group_size=1, timeout_s=60)
+    server.close()
+    assert "3 requests refused, the first: 400 tool_choice='any'" in capsys.readouterr().out
 
 
 def test_the_example_agent_plays_an_episode_through_the_endpoint(tiny):
