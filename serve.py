@@ -75,7 +75,6 @@ class RequestError(ValueError):
 
 
 # Options the samplers cannot honour: refused unless absent or neutral, never silently ignored.
-# (top_logprobs: the samplers give the sampled token's log-prob only.)
 NEUTRAL = {"n": 1, "presence_penalty": 0, "frequency_penalty": 0, "repetition_penalty": 1,
            "logit_bias": {}, "top_k": -1, "min_p": 0, "best_of": 1, "top_logprobs": 0}
 
@@ -135,10 +134,15 @@ def read_messages(messages):
         if role not in ROLES:
             raise RequestError(f"messages[{index}]: unknown role {role!r}; "
                                f"this endpoint knows {', '.join(ROLES)}", "messages")
-        if not isinstance(message.get("content") or "", str):
-            raise RequestError(f"messages[{index}]: content must be a string "
+        content = message.get("content") or ""
+        if isinstance(content, list) and all(
+                isinstance(part, dict) and part.get("type") == "text"
+                and isinstance(part.get("text"), str) for part in content):
+            content = "".join(part["text"] for part in content)  # text parts, as smolagents sends
+        if not isinstance(content, str):
+            raise RequestError(f"messages[{index}]: content must be a string or text parts "
                                "(this endpoint reads text only)", "messages")
-        read.append({"role": role, "content": message.get("content") or ""})
+        read.append({"role": role, "content": content})
         if role == "assistant":
             try:
                 calls = [(call.get("id"), {"name": call["function"]["name"],
@@ -198,8 +202,7 @@ class Server:
 
     def sample_batches(self):
         """The sampler thread: turns that arrive within window_s of the first share a generate (per
-        temperature and top_p). Their values were checked on arrival: a failure here fails those
-        requests, never the thread."""
+        temperature and top_p). A failure fails those requests, never the thread."""
         while True:
             batch, deadline = [self.turns.get()], time.monotonic() + self.window_s
             while (left := deadline - time.monotonic()) > 0:
@@ -231,7 +234,7 @@ class Server:
                     row.done.set_exception(problem)
 
     def is_open(self, episode):
-        """Whether a request of `episode` is served: any, until play runs; then its running ones."""
+        """Any episode is served until play runs; then play's running ones only."""
         return not self.plays or episode in self.episodes
 
     def conversation_for(self, episode, keys, messages):
@@ -323,9 +326,8 @@ class Server:
     def record(self, conversation, new_messages, new_tokens, generation, stop, opening, parse):
         """Append the new messages' tokens (mask 0), the sampled turn (mask 1, with its log-probs)
         to the conversation's trajectory; returns the reply as OpenAI's message (`opening`, then the
-        sampled text; tool calls parsed if `parse`), the finish reason, and the tokens the sampled
-        text decodes with their log-probs. A reply holding a stop string is cut as vLLM cuts it: the
-        text before it, the tokens up to the one that completes it."""
+        sampled text), the finish reason, and the sampled text's tokens and log-probs. A stop string
+        cuts the reply as vLLM does: the text before it, the tokens up to the one completing it."""
         sampled, conversation.closing = rollout.close_turn(generation, self.end_of_turn)
         text = self.tokenizer.decode(sampled)  # for the client; never encoded again
         if any(string in text for string in stop):
@@ -430,10 +432,8 @@ class Server:
 
 
 def run_program(command, environment, timeout_s):
-    """Run a command line in a session (process group) of its own: (its exit code, None if it ran
-    past timeout_s; the tail of its output; of its errors). The group is killed when the command
-    ends or times out, so nothing it started outlives it; its output is read in chunks, a tail
-    kept."""
+    """Run a command line in a session (process group) of its own, killed as a group when it ends
+    or times out: (its exit code, None if it timed out; its output's tail; its errors' tail)."""
     with subprocess.Popen(shlex.split(command), env=environment, stdout=subprocess.PIPE,
                           stderr=subprocess.PIPE, start_new_session=True) as process:
         with ThreadPoolExecutor(2) as readers:  # they read until the last of the group is gone
@@ -521,9 +521,8 @@ class Handler(BaseHTTPRequestHandler):
 
 
 def events(completion, include_usage):
-    """A completion as OpenAI streams one (Server-Sent Events of chat.completion.chunk): the reply
-    in one delta, its tool calls in the next, the finish reason, the usage if asked, [DONE]. It was
-    sampled whole, so it is sent at once: recording and batching are as without streaming."""
+    """A completion as OpenAI streams one (Server-Sent Events of chat.completion.chunk): the reply,
+    its tool calls, the finish reason, the usage if asked, [DONE]. It was sampled whole."""
     [choice], message = completion["choices"], completion["choices"][0]["message"]
     deltas = [{"role": "assistant", "content": message["content"]}]
     if "tool_calls" in message:

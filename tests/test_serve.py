@@ -4,6 +4,7 @@ tool calls, batching of concurrent conversations, OpenAI-style errors, episodes 
 import http.client
 import io
 import json
+import os
 import resource
 import shutil
 import socket
@@ -20,7 +21,7 @@ import tools
 from nanoagent.common import UserError
 from nanoagent.models import tiny_model, tiny_tokenizer
 from nanoagent.report import trajectory_records
-from nanoagent.sampler import TorchSampler
+from nanoagent.sampler import Generation, TorchSampler
 from serve import Server, read_tail
 from rollout import encode_chat, observation_tokens, render, sample_seed_for
 from tests.test_rollout import REPLIES, TOOL_CALL, ScriptedSampler, scripted_replies
@@ -538,6 +539,54 @@ print('{"reward": 1.0}')
         server.play(refused, [0], group_size=1, timeout_s=60)
     server.close()
     assert "3 requests refused, the first: 400 tool_choice='any'" in capsys.readouterr().out
+
+
+# Agents written with the real frameworks, run in their own environment (.ci/run builds it from
+# requirements-agents.txt: their pins are not the trainer's, and --agent takes any command line).
+FRAMEWORK_AGENTS = Path(__file__).resolve().parent / "agents"
+AGENTS_PYTHON = os.environ.get("NANOAGENT_AGENTS_PYTHON")
+FINAL_ANSWER = '<tool_call>\n{"name": "final_answer", "arguments": {"answer": "7"}}\n</tool_call>'
+
+
+class Continuing(ScriptedSampler):
+    """ScriptedSampler's replies, continuing a forced opening (tool_choice "required") as a policy
+    would, instead of writing it again."""
+
+    def generate(self, prompts, max_new_tokens, **options):
+        opening = "<tool_call>\n"
+        generations = super().generate(prompts, max_new_tokens, **options)
+        for row, prompt in enumerate(prompts):
+            if self.tokenizer.decode(prompt).endswith(opening):
+                text = self.tokenizer.decode(generations[row].token_ids)[len(opening):]
+                token_ids = self.tokenizer.encode(text, add_special_tokens=False)
+                generations[row] = Generation(token_ids, [-0.5] * len(token_ids), "stop")
+        return generations
+
+
+@pytest.mark.skipif(not AGENTS_PYTHON and not os.environ.get("CI"),
+                    reason="NANOAGENT_AGENTS_PYTHON unset (.ci/run sets it); CI always runs these")
+# smolagents writes a call back as its own text ("Calling tools: [...]"), an assistant turn the
+# client wrote: each of its turns starts a segment (serve.py's docstring), token-exact all the same.
+@pytest.mark.parametrize("agent, answer, segments", [("langchain_agent", "The answer is 7.", 1),
+                                                     ("openai_agents_chat", "The answer is 7.", 1),
+                                                     ("pydantic_ai_agent", "The answer is 7.", 1),
+                                                     ("smolagents_agent", FINAL_ANSWER, 2)])
+def test_agents_written_with_the_frameworks_play_token_exact_episodes(agent, answer, segments):
+    tokenizer = tiny_tokenizer()
+    end = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    replies = [(tokenizer.encode(text, add_special_tokens=False) + [end], "stop")
+               for text in (TOOL_CALL, answer)]  # a call of the calculator, then the answer
+    sampler = Recording(Continuing(tokenizer, replies))
+    server, _ = serving(sampler, tokenizer, max_total_tokens=100_000)
+    command = f"{AGENTS_PYTHON} {FRAMEWORK_AGENTS / agent}.py"
+    trajectories = server.play(command, [0], group_size=1, timeout_s=120)
+    server.close()
+    assert [t.info["segment"] for t in trajectories] == list(range(segments))
+    assert {t.score for t in trajectories} == {1.0} and sum(t.num_turns for t in trajectories) == 2
+    generations = [generation for _, batch in sampler.calls for generation in batch]
+    sampled = [(token, logprob) for t in trajectories
+               for token, logprob, mask in zip(t.token_ids, t.logprobs, t.action_mask) if mask]
+    assert sampled == [pair for g in generations for pair in zip(g.token_ids, g.logprobs)]
 
 
 def test_the_example_agent_plays_an_episode_through_the_endpoint(tiny):
