@@ -34,8 +34,7 @@ true}, put on the last token of each of its segments. A program that crashes, ha
 or reports no reward loses its group for the step, and the log says why (with the requests refused).
 Each runs in a session of its own, killed as a group when it ends; a tail of its output is kept. Its
 episode ends with it: a late request gets a 404, a queued turn is dropped, and play returns once no
-batch holding its turns is being sampled: nothing is sampled during the update. (Once play has run,
-only its running episodes are served.)
+batch holding its turns is being sampled: nothing is sampled during the update.
 """
 
 import argparse
@@ -234,8 +233,9 @@ class Server:
                     row.done.set_exception(problem)
 
     def is_open(self, episode):
-        """Any episode is served until play runs; then play's running ones only."""
-        return not self.plays or episode in self.episodes
+        """Play's episodes (ids "<its call>.<index>") are served while they run, other ids always."""
+        call = episode.split(".")[0]
+        return episode in self.episodes or not call.isdigit() or int(call) > self.plays
 
     def conversation_for(self, episode, keys, messages):
         """The idle conversation of `episode` (the longest) whose history `keys` extends by messages
@@ -319,7 +319,7 @@ class Server:
                              "logprobs": {"content": [  # the log-probs the trajectory records
                                  {"token": piece, "logprob": logprob, "bytes": list(piece.encode()),
                                   "top_logprobs": []} for piece, logprob in zip(pieces, logprobs)]}
-                             if pieces else None}],
+                             if wanted else None}],
                 "usage": {"prompt_tokens": length, "completion_tokens": len(generation.token_ids),
                           "total_tokens": length + len(generation.token_ids)}}
 

@@ -5,9 +5,10 @@ episodes, at most 4 turns of 32 tokens, temperature 1.
 
     python bench/bench_serve.py --rounds 2
 
-Four ways to play the same 64 episodes, one after the other in each round:
+Five ways to play the same 64 episodes, one after the other in each round:
   rollout         rollout() in lockstep, no HTTP (what train.py does without --agent)
   endpoint        64 threads, each running examples/multihop_agent.py's episode with its own openai client
+  streamed        the same with every reply streamed (stream=True) and put back together
   endpoint, one   one such episode alone (so: is 64 at once 64 times slower than one?)
   programs        server.play: 64 processes of examples/multihop_agent.py (what train.py --agent does)
 Each line: seconds, sampler calls, mean rows per call.
@@ -19,8 +20,10 @@ import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from types import SimpleNamespace
 
 import openai
+from openai.types.chat import ChatCompletionMessage
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(ROOT), str(ROOT / "examples")]
@@ -42,6 +45,24 @@ class Counting:
     def generate(self, prompts, *args, **kwargs):
         self.rows.append(len(prompts))
         return self.sampler.generate(prompts, *args, **kwargs)
+
+
+class Streamed:
+    """An openai client whose chat completions are streamed (stream=True) and put back together, as an
+    agent that streams reads them: what streaming costs the endpoint and the wire."""
+
+    def __init__(self, client):
+        self.client, self.chat, self.completions = client, self, self
+
+    def create(self, **request):
+        content, calls = "", []
+        for chunk in self.client.chat.completions.create(**request, stream=True):
+            delta = chunk.choices[0].delta
+            content += delta.content or ""
+            calls += [call.model_dump() for call in delta.tool_calls or []]  # each whole in one delta
+        message = ChatCompletionMessage.model_validate(
+            {"role": "assistant", "content": content or None, "tool_calls": calls or None})
+        return SimpleNamespace(choices=[SimpleNamespace(message=message)])
 
 
 def timed(name, sampler, play):
@@ -67,10 +88,10 @@ def main():
     seeds = list(range(options.prompts))
     episodes = [seed for seed in seeds for _ in range(options.group_size)]
 
-    def agents(seeds_played):
+    def agents(seeds_played, streamed=False):
         def one(seed):
             client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="none", max_retries=0)
-            return multihop_agent.play(client, seed)
+            return multihop_agent.play(Streamed(client) if streamed else client, seed)
         with ThreadPoolExecutor(len(seeds_played)) as pool:
             list(pool.map(one, seeds_played))
         server.conversations.clear()
@@ -81,6 +102,7 @@ def main():
             ("rollout", lambda: rollout.rollout(sampler, tokenizer, lambda: envs.SyntheticQAEnv(max_turns=4), seeds,
                                                 options.group_size, 4, args.max_new_tokens, args.max_total_tokens)),
             ("endpoint", lambda: agents(episodes)),
+            ("streamed", lambda: agents(episodes, streamed=True)),
             ("endpoint, one", lambda: agents(episodes[:1])),
             ("programs", lambda: server.play(f"{sys.executable} {ROOT / 'examples' / 'multihop_agent.py'}", seeds,
                                              options.group_size, timeout_s=600))]:

@@ -320,6 +320,7 @@ print('{"reward": 1.0}')
     assert len(sampler.calls) == 1 and sampler.returned < returned  # the queued turn: never sampled
     status, reply = post(server, {"messages": OPENING}, "/episodes/1.0/v1/chat/completions")
     assert (status, reply["error"]["code"]) == (404, "episode_closed")  # a late request
+    assert post(server, {"messages": OPENING})[0] == 200  # outside play's episodes: served as ever
     server.close()
 
 
