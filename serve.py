@@ -11,11 +11,10 @@ Agents are mostly written already, as loops over the `openai` client, so the pol
 other fields are ignored, as OpenAI's and vLLM's servers do, but sampling options the samplers
 cannot honour are refused (NEUTRAL). Hermes `<tool_call>` blocks in a reply come back as OpenAI
 `tool_calls` (tools.parse_tool_calls). tool_choice "required" or a named function forces the
-reply's opening (`<tool_call>\n`, for a name up to its arguments) as tokens the sampler continues
-from, mask 0: not the policy's choice. A forced call that still does not parse comes back as text,
-an invalid call in the turn's info. Values are checked as they arrive: a bad one gets a 400 naming
-it (OpenAI's error body), whatever fails later a 500. Under train.py --agent the trainer's
-temperature (and top_p 1) win: the update scores the tokens at those.
+reply's opening (`<tool_call>\n`, for a name up to its arguments): tokens the sampler continues,
+mask 0. A forced call that still does not parse comes back as text, an invalid call in the turn's
+info. A bad value gets a 400 naming it (OpenAI's error body), whatever fails later a 500. Under
+train.py --agent the trainer's temperature (and top_p 1) win: the update scores at those.
 
 Token in, token out through a text API: encoding the request's text again would not give the sampled tokens
 (rollout.py's docstring). So each conversation keeps its tokens (a rollout.Trajectory); a request whose messages
@@ -218,7 +217,7 @@ class Server:
                 self.sample([turn for turn in batch if turn not in closed])
 
     def sample(self, batch):
-        """Sample a batch of turns (per temperature and top_p) and set each turn's result."""
+        """Sample turns, per temperature and top_p, and set their results."""
         for options in {(turn.temperature, turn.top_p) for turn in batch}:
             rows = [turn for turn in batch if (turn.temperature, turn.top_p) == options]
             try:
@@ -481,7 +480,7 @@ class Handler(BaseHTTPRequestHandler):
         episode, path = self.route()
         try:
             try:  # the body is read whole first: the connection stays usable whatever it holds
-                body = self.rfile.read(int(self.headers.get("Content-Length") or 0))
+                body = self.rfile.read(max(0, int(self.headers.get("Content-Length") or 0)))
                 request = json.loads(body.decode())
             except ValueError as problem:  # no length, not UTF-8 (a UnicodeDecodeError), not JSON
                 raise RequestError(f"the body is not UTF-8 JSON: {problem}",
@@ -514,6 +513,10 @@ class Handler(BaseHTTPRequestHandler):
             self.wfile.write(data)
         except OSError as problem:  # the client left before its reply: its turn stays recorded
             print0(f"serve: a client left before its reply ({problem!r})")
+
+    def send_error(self, code, message=None, explain=None):  # http.server's own: OpenAI's body too
+        self.close_connection = True
+        self.send_json(code, error(message or f"HTTP {code}", code="invalid_request"))
 
     def log_request(self, code="-", size="-"):  # 64 agents' requests would bury the log: errors
         if str(code).startswith(("4", "5")):

@@ -216,6 +216,13 @@ def test_bad_values_get_a_400_naming_them_and_never_reach_the_sampler():
         status, reply = post(server, body)
         assert status == 400 and reply["error"]["code"] in ("invalid_json", "invalid_value"), body
     assert post(server, b"{}", "/v1/nowhere")[0] == 404 and sampler.calls == []
+    connection = http.client.HTTPConnection("127.0.0.1", int(server.url.rsplit(":", 1)[1]))
+    connection.request("DELETE", "/v1/chat/completions")  # a method http.server answers itself
+    response = connection.getresponse()
+    assert response.status == 501 and json.loads(response.read())["error"]["type"]
+    with socket.create_connection(("127.0.0.1", int(server.url.rsplit(":", 1)[1]))) as raw:
+        raw.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nContent-Length: -5\r\n\r\n")
+        assert raw.recv(100).startswith(b"HTTP/1.1 400")  # answered, not left reading
     # A null temperature is the default; --max_new_tokens caps a reply, whatever max_tokens says.
     reply = client.chat.completions.create(model="m", messages=OPENING, temperature=None,
                                            max_tokens=50)
