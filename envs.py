@@ -780,7 +780,7 @@ class FrozenLakeEnv(GameEnv):
     a path is what the tiny model learns, and a slip is seen before the next move."""
     rules = "FrozenLake: you are P; walk to the goal G over the ice _ without stepping into a hole O."
     actions = ["Left", "Down", "Right", "Up"]
-    train_defaults = {"max_turns": 8, "warmup_mistake_rate": 0.3}
+    train_defaults = {"max_turns": 8, "warmup_mistake_rate": 0.3, "lr": 5e-4}
 
     def __init__(self, size=4, hole_probability=0.2, slippery=False, max_turns=8,
                  max_actions_per_turn=1, **options):
@@ -852,7 +852,8 @@ class SokobanEnv(GameEnv):
              "box but not pull it. * is the box on the target, + is you on the target.")
     actions = ["Up", "Down", "Left", "Right"]
     # Five turns of three moves reach 97% of the levels; their grids take 640 tokens.
-    train_defaults = {"max_turns": 5, "max_total_tokens": 640, "warmup_mistake_rate": 0.2}
+    train_defaults = {"max_turns": 5, "max_total_tokens": 640, "warmup_mistake_rate": 0.2,
+                      "lr": 5e-4}
 
     def __init__(self, size=6, interior_walls=2, step_reward=-0.1, box_on_target_reward=1.0,
                  solved_reward=10.0, max_turns=10, **options):

@@ -449,28 +449,31 @@ def games(out, seeds, steps, episodes):
     for game, (env, options) in GAMES.items():
         env_flags = ["--env", env, "--env_options", json.dumps(options), "--eval_every", "10",
                      "--eval_episodes", str(episodes)]
-        warm = {seed: str(train.warm_up(train.get_args(env_flags + ["--seed", str(seed)])))
-                for seed in seeds}
-        clean = [str(train.warm_up(train.get_args(env_flags + ["--seed", str(seed),
-                                                               "--warmup_mistake_rate", "0"])))
-                 for seed in seeds[:2]]  # two seeds: a warm-up costs as much as an RL run
+        def warm_up(seed, *flags):
+            return str(train.warm_up(train.get_args(env_flags + ["--seed", str(seed), *flags])))
+        runs = {}  # seed by seed, each seed's methods together: a study cut short has whole seeds
+        for seed in seeds:
+            for method, flags in CREDIT.items():
+                name = f"games-{env}{'-slippery' if options else ''}-{flags[1]}"
+                runs[method, seed] = run(out, name, env_flags + flags + ["--model", warm_up(seed)],
+                                         seed, steps)
+        # two seeds: a warm-up costs as much as an RL run
+        clean = [warm_up(seed, "--warmup_mistake_rate", "0") for seed in seeds[:2]]
         args = train.get_args(env_flags)
         sft_only = [held_out(model, env, {**options, "max_turns": args.max_turns}, episodes,
                              max_total_tokens=args.max_total_tokens)["success"] for model in clean]
         results[game] = {"SFT only (correct demonstrations)": {"held_out_success": sft_only}}
         rows.append((game, "SFT only (correct demonstrations)", "-", spread(sft_only), "-", "-", "-",
                      "-"))
-        for method, flags in CREDIT.items():
-            name = f"games-{env}{'-slippery' if options else ''}-{flags[1]}"
-            runs = [run(out, name, env_flags + flags + ["--model", warm[seed]], seed, steps)
-                    for seed in seeds]
-            histories = [r["history"] for r in runs]
+        for method in CREDIT:
+            histories = [runs[method, seed]["history"] for seed in seeds]
             curves.setdefault(game, {})[method] = histories
             starts = [evaluations(h)[0][1] for h in histories]
             finals = [evaluations(h)[-1][1] for h in histories]
             results[game][method] = {"start": starts, "final": finals, "evaluations":
                                      [evaluations(h) for h in histories], "seconds_per_step":
-                                     [r["seconds"] / steps for r in runs], "anchor_group_size":
+                                     [runs[method, seed]["seconds"] / steps for seed in seeds],
+                                     "anchor_group_size":
                                      [statistics.fmean(h["anchor_group_size"] for h in history
                                                        if "anchor_group_size" in h)
                                       for history in histories]}
