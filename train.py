@@ -122,9 +122,9 @@ def get_args(argv=None):
         help="how the policy, KL and entropy terms sum over tokens (default token-mean; Dr.GRPO's with --dr_grpo)")
     add("--no_action_mask", action="store_true", help="ablation: environment tokens enter the loss too")
     add("--on_echo_trap", default="warn", choices=["warn", "stabilize"],
-        help="when the Echo-Trap monitor fires: only warn, or also switch on variance filtering "
-             "(--filter_ratio 0.25) and halve the learning rate; measured, it stalled more runs than it "
-             "rescued (docs/results.md)")
+        help="when the monitor warns: only warn, or on an Echo Trap (its 'stalled' warning) also "
+             "switch on variance filtering (--filter_ratio 0.25) and halve the learning rate; a "
+             "'collapse' warning only warns (resume from an earlier checkpoint); docs/results.md")
     add("--tis_cap", type=float, help="truncated importance sampling: weight each token "
         "by min(pi_trainer_old / pi_sampler, cap), for a sampler whose kernels differ (default: off)")
     # Optimization
@@ -523,11 +523,11 @@ def end_of_step(run, args, step, trajectories, kept, scored, shares, overall, pr
                                          run.server))
     run.history.append(metrics)
     metrics.update({f"{key}_change": recent_change(run.history, key) for key in ("response_tokens", "turns")})
-    warnings = echo_trap_warnings([h for h in run.history if "grad_norm" in h])
-    metrics["echo_trap_warnings"] = [warning.split(":")[0] for warning in warnings]  # the signals that fired
-    for warning in warnings:
-        print0(f"WARNING step {step + 1}: {warning}")
-    if args.on_echo_trap == "stabilize":  # act on it: informative groups only, and smaller steps from now on
+    warnings = monitor_warnings([h for h in run.history if "grad_norm" in h])
+    metrics["echo_trap_warnings"] = list(warnings)  # the signals that fired
+    for signal, message in warnings.items():
+        print0(f"WARNING step {step + 1}: {signal}: {message}")
+    if args.on_echo_trap == "stabilize":  # on the Echo Trap: informative groups only, smaller steps from now on
         acted = stabilize_on_echo_trap(run.control, step + 1, warnings)
         if acted is not run.control:
             run.control = acted
@@ -642,50 +642,55 @@ def recent_change(history, key, window=5):
     return history[-1][key] / baseline - 1 if baseline else 0.0
 
 
-# The monitor warns on two states, measured on the default run (docs/results.md, "The monitor on healthy runs"): a
-# run that has not taken off, whose groups answer alike (RAGEN's Echo-Trap sign, in-group reward std fading), and a
-# collapse (training success below half its best, the collapse studies' own rule). The leading signals studied
-# (RAGEN-2's retrieval accuracy, gradient-norm spikes, ...) are logged, not warned on: none led a collapse at this
-# scale without also firing on healthy runs ("Which signals lead a collapse").
+# The monitor warns on two states, named apart: the Echo Trap (RAGEN: a run whose groups answer alike,
+# in-group reward std fading, before it took off) and a collapse (training success below half its best, the
+# collapse studies' own rule). The leading signals studied (RAGEN-2's retrieval accuracy, gradient-norm
+# spikes, ...) are logged, not warned on: none led a collapse at this scale without also firing on healthy
+# runs. How each did: docs/results.md, "The monitor on healthy runs" and "Which signals lead a collapse".
 COLLAPSE_FLOOR, COLLAPSE_BEST, STALLED_SUCCESS = 0.5, 0.2, 0.2
 
 
-def echo_trap_warnings(history, window=5):
-    """The monitor's warnings after the last step of `history`, on `window`-step means of training metrics. Each
-    names its signal, what it measured, how it did in the runs measured, and what to try."""
+def monitor_warnings(history, window=5):
+    """The monitor's warnings after the last step of `history`, on `window`-step means of training metrics:
+    {signal: message}, signal "stalled" (the Echo Trap) or "collapse". A message says what it measured, where
+    its record is, and what to try."""
     def smoothed(key, end):
         return statistics.fmean(h[key] for h in history[max(0, end - window):end])
-    warnings, steps = [], len(history)
+    warnings, steps = {}, len(history)
     if steps < 2 * window:
         return warnings
     now, success = smoothed("group_reward_std", steps), smoothed("success", steps)
     peak = max(smoothed("group_reward_std", end) for end in range(window, steps + 1))
     best = max(smoothed("success", end) for end in range(window, steps + 1))
     if peak > 0.05 and now < 0.2 * peak and success < STALLED_SUCCESS:
-        warnings.append(f"stalled: group_reward_std {now:.3f} ({window}-step mean) is below 0.2x its peak {peak:.3f} "
-                        f"while success {success:.2f} < {STALLED_SUCCESS}: groups answer alike and GRPO has nothing "
-                        "to learn from (RAGEN's Echo Trap). Of the 40 default runs measured it fired in all 7 that did "
-                        "not take off and in none of the 30 healthy ones (docs/results.md); try another --seed, or "
-                        "--filter_ratio 0.25 (StarPO-S)")
+        warnings["stalled"] = (
+            f"group_reward_std {now:.3f} ({window}-step mean) is below 0.2x its peak {peak:.3f} "
+            f"while success {success:.2f} < {STALLED_SUCCESS}: groups answer alike and GRPO has "
+            "nothing to learn from (RAGEN's Echo Trap; its record: docs/results.md, \"The monitor on "
+            "healthy runs\"); try another --seed, or --filter_ratio 0.25 (StarPO-S)")
     if best > COLLAPSE_BEST and success < COLLAPSE_FLOOR * best:
-        warnings.append(f"collapse: success {success:.2f} ({window}-step mean) is below {COLLAPSE_FLOOR}x its best "
-                        f"{best:.2f}: the collapse studies' own rule, so it marks every collapse as it happens (the "
-                        "study's 5 in 56 runs, 3 in the 40 default runs measured), never ahead, and no run without "
-                        "one (docs/results.md); resume from an earlier checkpoint with a lower --lr, or --starpo_s")
+        warnings["collapse"] = (
+            f"success {success:.2f} ({window}-step mean) is below {COLLAPSE_FLOOR}x its best "
+            f"{best:.2f}: the collapse studies' own rule, so it marks a collapse as it happens, never "
+            "ahead (docs/results.md, \"The monitor on healthy runs\"); resume from an earlier "
+            "checkpoint with a lower --lr, or --starpo_s")
     return warnings
 
 
-# --on_echo_trap stabilize: RAGEN's remedy (StarPO-S's top 25% of groups) plus a smaller step, at most every
-# ECHO_TRAP_COOLDOWN steps, so one episode of warnings (the smoothed signals stay low a while) acts once.
+# --on_echo_trap stabilize: RAGEN's remedy for the Echo Trap (StarPO-S's top 25% of groups) plus a smaller
+# step, at most every ECHO_TRAP_COOLDOWN steps, so one episode of warnings (the smoothed signals stay low a
+# while) acts once. A collapse only warns: the policy has already fallen, and its remedy is a resume from a
+# checkpoint before the fall, which a run cannot do to itself.
 ECHO_TRAP_FILTER_RATIO, ECHO_TRAP_LR_FACTOR, ECHO_TRAP_COOLDOWN = 0.25, 0.5, 10
 
 
 def stabilize_on_echo_trap(control, step, warnings):
-    """--on_echo_trap stabilize: the run's {"lr", "filter_ratio", "last_action_step"} after this step's warnings,
-    a new dict. The Echo Trap is the policy reinforcing one answer pattern, so after a warning the steps are
-    smaller and come from groups that still disagree."""
+    """--on_echo_trap stabilize: the run's {"lr", "filter_ratio", "last_action_step"} after this step's
+    `warnings` (monitor_warnings' dict), a new dict when it acts. It acts on the Echo Trap ("stalled") only:
+    the policy reinforcing one answer pattern, so the steps become smaller and come from groups that still
+    disagree. A "collapse" alone changes nothing."""
     last = control["last_action_step"]
-    if not warnings or (last is not None and step - last < ECHO_TRAP_COOLDOWN):
+    if "stalled" not in warnings or (last is not None and step - last < ECHO_TRAP_COOLDOWN):
         return control
     return {"lr": control["lr"] * ECHO_TRAP_LR_FACTOR, "last_action_step": step,
             "filter_ratio": min(control["filter_ratio"], ECHO_TRAP_FILTER_RATIO)}

@@ -269,29 +269,33 @@ def test_starpo_s_sets_its_values_and_explicit_flags_win():
     assert train.get_args([]).algo == "grpo" and train.get_args([]).filter_ratio == 1.0
 
 
-def test_echo_trap_monitor_warns_on_a_stalled_run_and_a_collapse_and_not_on_a_healthy_one():
+def test_monitor_warns_on_a_stalled_run_and_a_collapse_and_not_on_a_healthy_one():
     def steps(std, success, n, **rest):
         return [{"group_reward_std": std, "success": success, "grad_norm": 1.0, **rest}] * n
     calm = steps(0.4, 0.3, 12)
-    assert train.echo_trap_warnings(calm) == []
-    assert train.echo_trap_warnings(calm + steps(0.0, 0.3, 1)) == []  # one flat step is noise
-    # Not taken off: the groups answer alike while success stays low. The warning names its signal, what it
-    # measured, the runs it was measured on, and what to try.
-    stalled = train.echo_trap_warnings(steps(0.4, 0.05, 12) + steps(0.01, 0.05, 5))
-    assert len(stalled) == 1 and stalled[0].startswith("stalled: group_reward_std 0.010 (5-step mean) is below 0.2x "
-                                                       "its peak 0.400 while success 0.05 < 0.2")
-    assert "all 7 that did not take off and in none of the 30 healthy ones" in stalled[0] and "--seed" in stalled[0]
-    # Healthy: a solved task, and a plateau at 0.85 whose groups mostly all succeed, have flat groups for a good
-    # reason; a gradient-norm spike and a retrieval-accuracy fall (logged) do not warn.
-    assert train.echo_trap_warnings(calm + steps(0.0, 1.0, 5)) == []
-    assert train.echo_trap_warnings(steps(0.4, 0.6, 12) + steps(0.02, 0.85, 5)) == []
-    assert train.echo_trap_warnings(calm + steps(0.4, 0.3, 1, grad_norm=50.0, retrieval_accuracy=0.0)) == []
+    assert train.monitor_warnings(calm) == {}
+    assert train.monitor_warnings(calm + steps(0.0, 0.3, 1)) == {}  # one flat step is noise
+    # Not taken off (the Echo Trap): the groups answer alike while success stays low. The warning says what
+    # it measured, where its record is, and what to try.
+    stalled = train.monitor_warnings(steps(0.4, 0.05, 12) + steps(0.01, 0.05, 5))
+    assert list(stalled) == ["stalled"]
+    assert stalled["stalled"].startswith("group_reward_std 0.010 (5-step mean) is below 0.2x its peak 0.400 "
+                                         "while success 0.05 < 0.2")
+    assert "docs/results.md" in stalled["stalled"] and "--seed" in stalled["stalled"]
+    # Healthy: a solved task, and a plateau at 0.85 whose groups mostly all succeed, have flat groups for a
+    # good reason; a gradient-norm spike and a retrieval-accuracy fall (logged) do not warn.
+    assert train.monitor_warnings(calm + steps(0.0, 1.0, 5)) == {}
+    assert train.monitor_warnings(steps(0.4, 0.6, 12) + steps(0.02, 0.85, 5)) == {}
+    spike = steps(0.4, 0.3, 1, grad_norm=50.0, retrieval_accuracy=0.0)
+    assert train.monitor_warnings(calm + spike) == {}
     # A collapse: the 5-step training success below half its best, once that best passed 0.2.
-    assert train.echo_trap_warnings(steps(0.4, 0.6, 12) + steps(0.4, 0.35, 5)) == []  # 0.35 > 0.5 x 0.6
-    collapsed = train.echo_trap_warnings(steps(0.4, 0.6, 12) + steps(0.4, 0.2, 5))
-    assert len(collapsed) == 1 and collapsed[0].startswith("collapse: success 0.20 (5-step mean) is below 0.5x its "
-                                                           "best 0.60")
-    assert train.echo_trap_warnings(steps(0.4, 0.15, 12) + steps(0.4, 0.05, 5)) == []  # best 0.15: nothing fell
+    assert train.monitor_warnings(steps(0.4, 0.6, 12) + steps(0.4, 0.35, 5)) == {}  # 0.35 > 0.5 x 0.6
+    collapsed = train.monitor_warnings(steps(0.4, 0.6, 12) + steps(0.4, 0.2, 5))
+    assert list(collapsed) == ["collapse"]
+    assert collapsed["collapse"].startswith("success 0.20 (5-step mean) is below 0.5x its best 0.60")
+    assert "checkpoint" in collapsed["collapse"]
+    # best 0.15: nothing fell
+    assert train.monitor_warnings(steps(0.4, 0.15, 12) + steps(0.4, 0.05, 5)) == {}
 
 
 # -----------------------------------------------------------------------------
@@ -363,26 +367,30 @@ def test_collapse_signals_are_logged_every_step(tmp_path):
         assert metrics["approx_kl_max"] > metrics["approx_kl"] > 0  # two minibatches: the second runs off-policy
 
 
-def test_stabilize_on_echo_trap_acts_once_per_cooldown():
+def test_stabilize_on_echo_trap_acts_once_per_cooldown_and_only_on_the_echo_trap():
     start = {"lr": 1e-3, "filter_ratio": 1.0, "last_action_step": None}
-    assert train.stabilize_on_echo_trap(start, 7, []) is start  # no warning, no change
-    first = train.stabilize_on_echo_trap(start, 7, ["std fell"])
+    stalled = {"stalled": "std fell"}
+    assert train.stabilize_on_echo_trap(start, 7, {}) is start  # no warning, no change
+    # A collapse only warns: its advice is a resume from an earlier checkpoint, not a smaller step.
+    assert train.stabilize_on_echo_trap(start, 7, {"collapse": "resume from a checkpoint"}) is start
+    first = train.stabilize_on_echo_trap(start, 7, stalled)
     assert first == {"lr": 5e-4, "filter_ratio": 0.25, "last_action_step": 7} and start["lr"] == 1e-3
     # one episode of warnings, one action
-    assert train.stabilize_on_echo_trap(first, 7 + train.ECHO_TRAP_COOLDOWN - 1, ["std fell"]) is first
-    second = train.stabilize_on_echo_trap(first, 7 + train.ECHO_TRAP_COOLDOWN, ["grad spike"])
+    assert train.stabilize_on_echo_trap(first, 7 + train.ECHO_TRAP_COOLDOWN - 1, stalled) is first
+    second = train.stabilize_on_echo_trap(first, 7 + train.ECHO_TRAP_COOLDOWN, {**stalled, "collapse": "x"})
     assert second == {"lr": 2.5e-4, "filter_ratio": 0.25, "last_action_step": 17}
-    narrow = {"lr": 1e-3, "filter_ratio": 0.1, "last_action_step": None}  # a filter already narrower is kept
-    assert train.stabilize_on_echo_trap(narrow, 3, ["std fell"])["filter_ratio"] == 0.1
+    narrow = {"lr": 1e-3, "filter_ratio": 0.1, "last_action_step": None}  # a narrower filter is kept
+    assert train.stabilize_on_echo_trap(narrow, 3, stalled)["filter_ratio"] == 0.1
 
 
 def test_on_echo_trap_stabilize_filters_and_slows_the_run_and_resumes_so(tmp_path, monkeypatch):
     # The monitor is made to fire after step 2; the run must then keep a quarter of its groups, at half the
     # learning rate, from step 3 on, and a run resumed after the action must go on with it.
-    monkeypatch.setattr(train, "echo_trap_warnings", lambda history: ["test: fired"] if len(history) == 2 else [])
+    monkeypatch.setattr(train, "monitor_warnings",
+                        lambda history: {"stalled": "fired"} if len(history) == 2 else {})
     common = BANDIT + ["--on_echo_trap", "stabilize", "--save_every", "2", "--out_dir", str(tmp_path / "run")]
     _, history = train.main(common + ["--steps", "2"])
-    assert [h["echo_trap_warnings"] for h in history] == [[], ["test"]]  # the signals that fired
+    assert [h["echo_trap_warnings"] for h in history] == [[], ["stalled"]]  # the signals that fired
     _, history = train.main(common + ["--steps", "4", "--resume"])
     assert [h["lr"] for h in history] == [1e-3, 1e-3, 5e-4, 5e-4]
     assert [h["filter_ratio"] for h in history] == [1.0, 1.0, 0.25, 0.25]
