@@ -392,8 +392,9 @@ class SyntheticQAEnv(ToolEnv):
     system_prompt = ("Answer the question. Call search with a name to get its facts, "
                      "then answer as <answer>name</answer>.")
     warmup_options = {"hops": 1}  # a tiny model learns to copy a name far sooner than with two hops
-    # Flawed demonstrations wrong at 0.4 (train.py's 0.6 left ~3% success to start from: 3 seeds in 10 never took
-    # off, docs/results.md "The main job over seeds"); a 2-hop demonstration is right with chance 0.6^3 = 22%.
+    # Flawed demonstrations wrong at 0.4: train.py's 0.6 left too little success to start from, and too many
+    # seeds never took off (docs/results.md, "The main job over seeds"). A 2-hop demonstration is then right
+    # with chance 0.6^3 = 22%.
     train_defaults = {"warmup_mistake_rate": 0.4}
 
     def __init__(self, hops=2, entities_per_type=3, distractor_facts=0, **options):

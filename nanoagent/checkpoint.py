@@ -123,9 +123,10 @@ def save_checkpoint(out_dir, step, policy, tokenizer, trainer_state, critic=None
     for model, subdirectory, _ in exports:
         if hasattr(model, "peft_config"):  # --lora_rank: the adapter alone too (the export is merged); small
             save_adapter(model, subdirectory / "adapter", master)
-    # The shards are staged in CPU memory now (from a GPU, into pinned buffers the run's writer keeps: ~40x faster
-    # than fresh pageable memory) and written by dcp's own thread, with collectives on a group of their own: the
-    # training's run on the default group meanwhile (two threads' calls on one group would interleave).
+    # The shards are staged in CPU memory now (from a GPU, into pinned buffers the run's writer keeps, far
+    # faster than fresh pageable memory: docs/gpu.md) and written by dcp's own thread, with collectives on a
+    # group of their own: the training's run on the default group meanwhile (two threads' calls on one group
+    # would interleave).
     if optimizers and policy not in SHARD_WRITERS:  # the run's first save: its writer makes the buffers
         SHARD_WRITERS[policy] = dcp.FileSystemWriter(tmp, cache_staged_state_dict=torch.cuda.is_available())
     shards = dcp.async_save(training_states(optimizers), checkpoint_id=tmp / "optimizer", no_dist=not is_sharded(),

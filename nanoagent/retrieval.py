@@ -209,7 +209,7 @@ class BM25Retriever:
             passage_scores = np.zeros(scores["num_docs"], dtype=np.float32)  # (N,)
             for t in (vocabulary[word] for word in tokenize(query) if word in vocabulary):
                 span = slice(indptr[t], indptr[t + 1])  # word t's postings: (passage, BM25 term) pairs
-                np.add.at(passage_scores, indices[span], data[span])  # 2.5x faster than a[i] += x on 1M postings
+                np.add.at(passage_scores, indices[span], data[span])  # faster than a[i] += x on long postings
             results.append([{**self.passages[i], "id": i, "score": score} for i, score in top_k(passage_scores, k)])
         return results
 
