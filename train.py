@@ -64,7 +64,9 @@ STARPO_S = {"algo": "ppo", "filter_ratio": 0.25, "clip_low": 0.2, "clip_high": 0
 # The defaults of the flags that StarPO-S or an env (its `train_defaults`, e.g. the compute task's) may change.
 DEFAULTS = {"algo": "grpo", "filter_ratio": 1.0, "clip_low": 0.2, "clip_high": 0.2, "kl": "none",
             "model": "tiny", "max_new_tokens": 32, "max_turns": 4, "max_total_tokens": 512,
-            "lr": 1e-3, "warmup_mistake_rate": 0.6}
+            "lr": 1e-3, "warmup_mistake_rate": 0.6, "truncated_reward": "keep"}
+# The flags of --env's rollout that an --agent program, which plays its own episodes, never reads.
+ROLLOUT_ONLY_FLAGS = ("max_turns", "truncated_reward")
 
 
 def get_args(argv=None):
@@ -97,8 +99,9 @@ def get_args(argv=None):
     add("--max_new_tokens", type=int, help="per assistant turn (default: 32, or the env's)")
     add("--max_total_tokens", type=int, help="per episode (default: 512, or the env's)")
     add("--temperature", type=float, default=1.0)
-    add("--truncated_reward", default="keep", choices=["keep", "zero"],
-        help="an episode cut by the budget: keep its rewards (PPO bootstraps its value), or score 0")
+    add("--truncated_reward", choices=["keep", "zero"],
+        help="an episode cut by the budget: keep its rewards (PPO bootstraps its value; the default), "
+             "or score 0")
     add("--sampler", default="torch", choices=["torch", "vllm"])
     add("--vllm_memory", type=float, default=0.3, help="--sampler vllm on GPUs: its share of the card's memory")
     add("--vllm_sleep", action="store_true", help="--sampler vllm on GPUs: free its share during the update")
@@ -150,6 +153,10 @@ def get_args(argv=None):
         help="seeds the warm-up and RL (3: the main job took off from it with one thread and two; docs/performance.md)")
     add("--wandb", help="a wandb project name to log to (needs wandb installed)")
     args = parser.parse_args(argv)
+    ignored = [f"--{key}" for key in ROLLOUT_ONLY_FLAGS if getattr(args, key) is not None]
+    if args.agent and ignored:  # before the defaults fill them: only the user's own flags
+        parser.error(f"{' and '.join(ignored)} shape --env's rollout, which --agent replaces: "
+                     "its program decides its own turns and rewards; leave them out")
 
     for key, value in {**DEFAULTS, **envs.ENVS[args.env].train_defaults, **(STARPO_S if args.starpo_s else {})}.items():
         if getattr(args, key) is None:  # flags the user gave win
@@ -562,11 +569,11 @@ def kept_group(tokenizer, step, scored):
 def evaluate_held_out(sampler, tokenizer, args, rank=0, world_size=1, device="cpu", server=None):
     """Held-out success rate and mean score, sampled at the training temperature, over all ranks; with a
     `server`, the --agent program plays the episodes (one that fails is left out)."""
-    make_env = envs.env_factory(args.env, args.env_options, data=args.data, split="validation")
     seeds = list(envs.eval_seeds(args.eval_episodes))[rank::world_size]  # search_qa: rows of the validation split
     if server is not None:
         trajectories = server.play(args.agent, seeds, 1, args.agent_timeout, sample_seed=args.seed + 1)
     else:
+        make_env = envs.env_factory(args.env, args.env_options, data=args.data, split="validation")
         trajectories = rollout.rollout(sampler, tokenizer, make_env, seeds, 1, args.max_turns, args.max_new_tokens,
                                        args.max_total_tokens, temperature=args.temperature, sample_seed=args.seed + 1)
     successes, score, count = sums_over_ranks([sum(t.info["success"] for t in trajectories),

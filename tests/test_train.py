@@ -239,6 +239,10 @@ def test_environment_tokens_get_no_gradient(tiny_batch):
     (["--lora_rank", "-1"], "--lora_rank must be 0 (off) or a positive rank"),
     (["--env", "calculator"], "--env calculator has no demonstrations to warm up on: pass --warmup_steps 0"),
     (["--algo", "gigpo", "--kl", "in_reward"], "use --kl loss with --algo gigpo"),
+    # --agent's program plays its own episodes: the flags of --env's rollout would be ignored without a word
+    (["--agent", "python a.py", "--max_turns", "3"], "--max_turns shape --env's rollout, which --agent replaces"),
+    (["--agent", "python a.py", "--truncated_reward", "zero", "--max_turns", "3"],
+     "--max_turns and --truncated_reward shape --env's rollout"),
 ])
 def test_bad_configurations_fail_with_their_message(argv, message, capsys):
     with pytest.raises(SystemExit):
@@ -259,6 +263,9 @@ def test_gigpo_discounts_its_step_returns_by_default_and_explicit_flags_win():
     assert (train.get_args(["--algo", "gigpo"]).gamma, train.get_args([]).gamma) == (0.95, 1.0)
     assert train.get_args(["--algo", "gigpo", "--gamma", "0.5"]).gamma == 0.5
     assert train.get_args(["--env", "calculator", "--warmup_steps", "0"]).max_turns == 4
+    # left out, --agent runs take the defaults (an env's included) like any run
+    args = train.get_args(["--agent", "python a.py"])
+    assert (args.max_turns, args.truncated_reward) == (4, "keep")
 
 
 def test_starpo_s_sets_its_values_and_explicit_flags_win():
