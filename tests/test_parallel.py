@@ -356,8 +356,9 @@ class Collectives(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if func.namespace in ("c10d", "_c10d_functional") and "wait" not in func.__name__:
             frame = sys._getframe()
-            while frame is not None and not frame.f_code.co_filename.startswith(repo):
-                frame = frame.f_back
+            while frame is not None and not (frame.f_code.co_filename.startswith(repo)
+                                             and "site-packages" not in frame.f_code.co_filename):
+                frame = frame.f_back  # (a virtual environment inside the checkout is not the project)
             code = frame.f_code if frame else None
             where = f"{code.co_filename[len(repo) + 1:]}:{frame.f_lineno} {code.co_name}" if code else "?"
             rooted = func._opname in ("gather_", "scatter_")  # the root passes more tensors than the others
@@ -397,7 +398,8 @@ SKEWED_RUNS = [["--algo", "grpo", "--filter_ratio", "0.75"],
                ["--algo", "ppo", "--kl", "loss", "--minibatch_size", "4", "--ppo_epochs", "2", "--tis_cap", "2",
                 "--eval_every", "2", "--eval_episodes", "3"],
                ["--algo", "grpo", "--lora_rank", "4"],
-               ["--algo", "reinforce_pp", "--no_action_mask"]]
+               ["--algo", "reinforce_pp", "--no_action_mask"],
+               ["--algo", "gigpo", "--env", "sokoban"]]  # per-turn rewards, anchor groups across ranks
 
 
 def test_ranks_given_skewed_work_make_the_same_collectives_in_the_same_order(tmp_path):
