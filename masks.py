@@ -1,9 +1,9 @@
 """
 Masks, reward placement and advantage estimators for multi-turn agent RL.
 
-An agent trajectory is one token sequence written by two authors: the model (its reasoning, tool calls,
-answers) and the environment (the prompt, tool responses, game observations, chat-template glue).
-Training must tell them apart. A 10-token example, one token per row for readability:
+An agent trajectory is one token sequence written by two authors: the model (its
+reasoning, tool calls, answers) and the environment (the prompt, tool responses, game
+observations, chat-template glue). Training must tell them apart. A 10-token example:
 
     t  token               written by    action_mask  reward
     0  "What is 2+3*4?"    env (prompt)  0
@@ -17,35 +17,34 @@ Training must tell them apart. A 10-token example, one token per row for readabi
     8  "14"                agent         1
     9  </answer>           agent         1            1.0  <- final reward, last agent token
 
-The **action (loss) mask** says where gradient flows: log π(token) only counts for tokens the policy chose.
-Tokens 4-6 were written by the calculator; training on them would teach the model to imitate tools
-(and to hallucinate observations) instead of to use them.
+The **action (loss) mask** says where gradient flows: log π(token) counts only for
+tokens the policy chose. Tokens 4-6 are the calculator's; training on them would teach
+the model to imitate tools (and hallucinate observations), not use them.
 
-The **advantage mask** says which positions take part in credit assignment. GAE runs over t = 1,2,3,7,8,9
-as if 4-6 were not there: the TD error of token 3 bootstraps from V at token 7, the next decision the
-agent makes (δ_3 = r_3 + γ V_7 − V_3), and A_3 = δ_3 + γλ A_7. The tool's tokens are the environment's
-move, not agent timesteps. Running GAE over every token instead would discount once per tool-output token,
-so a call that fetched a long search result would get less credit than one that fetched a short one, and
-the critic's guesses on tokens the agent never acts on would leak into the agent's advantages. With the
-skip, inserting environment tokens between turns changes no agent token's advantage (the tests check it).
-In nanoagent both masks are the same tensor, `action_mask`; they are named apart because they answer
-different questions.
+The **advantage mask** says which positions take part in credit assignment. GAE runs
+over t = 1,2,3,7,8,9 as if 4-6 were not there: the TD error of token 3 bootstraps from
+V at token 7, the agent's next decision (δ_3 = r_3 + γ V_7 − V_3), and
+A_3 = δ_3 + γλ A_7. The tool's tokens are the environment's move, not agent timesteps.
+GAE over every token would discount once per tool-output token (a long search result
+would cost its call credit), and the critic's guesses on tokens the agent never acts on
+would leak into its advantages.
+With the skip, environment tokens inserted between turns change no agent token's
+advantage (the tests check it). Both masks are one tensor here, `action_mask`; they
+are named apart because they answer different questions.
 
-**Reward placement.** A turn's reward goes on the last token the agent wrote in that turn, the final
-reward on the last agent token of the trajectory (token 9 above). Never on an environment token: every
-estimator here reads rewards only where the mask is 1, so a reward sitting on an env token is silently
-lost. The trap is a trajectory that *ends* on a tool response (it hit max_turns right after a call, or
-was truncated): "put the reward on the last token" would put it on env text and drop it. `place_rewards`
-moves such positions back to the nearest preceding agent token, and the estimators assert that no reward
-is left off the mask.
+**Reward placement.** A turn's reward goes on the last token the agent wrote in it, the
+final reward on the trajectory's last agent token (token 9 above). Never on an env
+token: every estimator reads rewards only where the mask is 1, so it would be silently
+lost. The trap is a trajectory that *ends* on a tool response (max_turns hit right
+after a call, or truncation): "reward on the last token" would drop it. `place_rewards`
+moves such positions back to the nearest preceding agent token, and the estimators
+assert that no reward is left off the mask.
 
-Estimators: GAE (PPO, with a critic), GRPO / Dr.GRPO (group-relative, one score per
-trajectory), GiGPO (GRPO plus a step advantage among the turns that met the same state),
-REINFORCE++ (discounted return-to-go, whitened over the batch). Plus the masked reductions the
-loss needs (loss aggregation modes, KL estimators), `collate` (rollout's trajectories as the
-(B, T) tensors the trainer reads, masks and placed rewards included). This file imports nothing
-from the project: rollout.py makes trajectories, this file reads them (and nanoagent/report.py
-shows who wrote what).
+Also here: the masked reductions the loss needs (aggregation modes, KL estimators),
+`collate` (trajectories -> (B, T) tensors, masks and placed rewards included) and the
+advantage estimators: GAE (PPO's, with a critic), GRPO / Dr.GRPO, GiGPO, REINFORCE++.
+This file imports nothing from the project: rollout.py makes trajectories, this file
+reads them (and nanoagent/report.py shows who wrote what).
 All per-token tensors are (B, T): B trajectories, T token positions, padding has mask 0.
 """
 
@@ -57,7 +56,7 @@ from torch.nn.utils.rnn import pad_sequence
 # Masked reductions
 
 def masked_sum(values, mask, dim=None):
-    """Sum of values where mask is 1. Uses where(), not values * mask, so inf/nan off the mask cannot leak in."""
+    """Sum of values where mask is 1; where(), not values * mask: inf/nan off it stay out."""
     kept = torch.where(mask.bool(), values, torch.zeros_like(values))
     return kept.sum() if dim is None else kept.sum(dim)
 
@@ -69,11 +68,9 @@ def masked_mean(values, mask, dim=None):
 
 
 def masked_variance(values, mask, global_sum=None):
-    """(mean, values - mean with 0 off the mask, unbiased variance) over the positions where mask is 1.
-
-    When the batch is split over ranks, global_sum (a function that sums a tensor over all ranks,
-    nanoagent.parallel.sum_over_ranks) makes the mean and the variance those of the whole batch.
-    """
+    """(mean, values - mean with 0 off the mask, unbiased variance) where mask is 1. With
+    the batch split over ranks, global_sum (nanoagent.parallel.sum_over_ranks) makes them
+    the whole batch's."""
     total = (lambda tensor: tensor) if global_sum is None else global_sum
     sum_and_count = total(torch.stack([masked_sum(values, mask), mask.sum().to(values.dtype)]))
     mean = sum_and_count[0] / sum_and_count[1].clamp(min=1)
@@ -83,15 +80,15 @@ def masked_variance(values, mask, global_sum=None):
 
 
 def masked_whiten(values, mask, eps=1e-8, global_sum=None):
-    """(values - mean) / std over the positions where mask is 1 (masked_variance); 0 off the mask."""
+    """(values - mean) / std where mask is 1 (masked_variance); 0 off the mask."""
     _, centered, variance = masked_variance(values, mask, global_sum)
     return centered * torch.rsqrt(variance + eps)
 
 
 def explained_variance(values, returns, mask, global_sum=None):
-    """1 - Var[returns - values] / Var[returns] over the mask-1 positions, a float: how much of the returns
-    the critic predicts (CleanRL logs it beside approx KL). 1 is a perfect critic, 0 one no better than a
-    constant, below 0 a worse one; nan when the returns do not vary."""
+    """1 - Var[returns - values] / Var[returns] where mask is 1, a float: how much of the
+    returns the critic predicts (CleanRL logs it beside approx KL). 1 is perfect, 0 no
+    better than a constant, below 0 worse; nan when the returns do not vary."""
     variance_of_returns = masked_variance(returns, mask, global_sum)[2]
     if variance_of_returns == 0:
         return float("nan")
@@ -100,25 +97,27 @@ def explained_variance(values, returns, mask, global_sum=None):
 
 def aggregate_loss(loss_per_token, mask, mode, norm_constant=None, global_sum=None):
     """
-    Reduce a (B, T) per-token loss to a scalar over the masked tokens. Modes:
-      "token-mean"               every agent token in the batch weighs the same (DAPO). Long
-                                 trajectories count more, as they made more decisions.
-      "seq-mean-token-mean"      mean over each trajectory's tokens, then over trajectories (original
-                                 GRPO). Each trajectory weighs the same, so a token in a long one
-                                 weighs less: the length bias Dr.GRPO points out.
-      "seq-mean-token-sum-norm"  sum over each trajectory's tokens divided by a constant
-                                 (norm_constant, default T), then mean over trajectories (Dr.GRPO).
-                                 Same per-token weight everywhere, and it does not move with the batch.
-    With the batch split over ranks, global_sum counts the tokens (or trajectories) of the whole batch:
-    each rank's result is then its share, and the shares of all ranks add up to the whole batch's loss.
+    A (B, T) per-token loss -> a scalar over the masked tokens. Modes:
+      "token-mean"               every agent token in the batch weighs the same (DAPO);
+                                 long trajectories made more decisions and count more.
+      "seq-mean-token-mean"      mean over each trajectory's tokens, then over
+                                 trajectories (original GRPO): a token in a long one
+                                 weighs less, the length bias Dr.GRPO points out.
+      "seq-mean-token-sum-norm"  each trajectory's token sum over a constant
+                                 (norm_constant, default T), then the mean (Dr.GRPO):
+                                 one token weight, which does not move with the batch.
+    With the batch split over ranks, global_sum counts the whole batch's tokens (or
+    trajectories): each rank's result is its share of the batch's loss.
     """
     if mode == "token-mean":
         total, count = masked_sum(loss_per_token, mask), mask.sum()
     elif mode == "seq-mean-token-mean":  # a trajectory with no agent tokens counts 0
-        total, count = masked_mean(loss_per_token, mask, dim=-1).sum(), mask.new_tensor(mask.shape[0])
+        total = masked_mean(loss_per_token, mask, dim=-1).sum()
+        count = mask.new_tensor(mask.shape[0])
     elif mode == "seq-mean-token-sum-norm":
         norm_constant = mask.shape[-1] if norm_constant is None else norm_constant
-        total, count = (masked_sum(loss_per_token, mask, dim=-1) / norm_constant).sum(), mask.new_tensor(mask.shape[0])
+        total = (masked_sum(loss_per_token, mask, dim=-1) / norm_constant).sum()
+        count = mask.new_tensor(mask.shape[0])
     else:
         raise ValueError(f"unknown loss aggregation mode {mode!r}")
     if global_sum is not None:
@@ -128,11 +127,12 @@ def aggregate_loss(loss_per_token, mask, mode, norm_constant=None, global_sum=No
 
 def kl_estimate(logprobs, ref_logprobs, mask, kind="k3"):
     """
-    Per-token estimate of KL(π || π_ref) from log-probs of tokens sampled from π; 0 off the mask. (B, T).
-    With log_ratio = log π − log π_ref (Schulman's "Approximating KL divergence"):
+    Per-token KL(π || π_ref) estimate from log-probs of tokens sampled from π, (B, T),
+    0 off the mask. With log_ratio = log π − log π_ref (Schulman, "Approximating KL
+    divergence"):
       k1 = log_ratio                        unbiased, high variance, can be negative
       k2 = log_ratio² / 2                   biased, low variance, always ≥ 0
-      k3 = exp(−log_ratio) − 1 + log_ratio  unbiased, low variance, always ≥ 0: the usual KL loss (GRPO)
+      k3 = exp(−log_ratio) − 1 + log_ratio  unbiased, low variance, ≥ 0: GRPO's KL loss
     """
     log_ratio = logprobs - ref_logprobs
     if kind == "k1":
@@ -150,57 +150,69 @@ def kl_estimate(logprobs, ref_logprobs, mask, kind="k3"):
 # Reward placement
 
 def last_agent_positions(action_mask):
-    """For each row, the index of the last token of every agent segment (a run of 1s in the mask)."""
+    """Per row, the index of each agent segment's (run of 1s') last token."""
     mask = action_mask.bool()  # (B, T)
     next_is_agent = torch.zeros_like(mask)
     next_is_agent[:, :-1] = mask[:, 1:]
-    segment_end = mask & ~next_is_agent  # agent token whose successor is not an agent token (or the end)
+    segment_end = mask & ~next_is_agent  # agent tokens followed by env tokens or the end
     return [row.nonzero().flatten().tolist() for row in segment_end]
 
 
 def place_rewards(turn_rewards, turn_end_positions, action_mask):
-    """Scatter per-turn rewards onto a (B, T) token-reward tensor: turn_rewards[b][k] lands on
-    turn_end_positions[b][k], turn k's last agent token (the final turn's reward holds the outcome). A position
-    that is not an agent token (the end of a trailing tool response, say) moves back to the nearest preceding
-    agent token: the reward is kept, never dropped."""
+    """Scatter per-turn rewards onto a (B, T) token-reward tensor: turn_rewards[b][k]
+    lands on turn_end_positions[b][k], turn k's last agent token (the final turn's reward
+    holds the outcome), or if that is an env token on the nearest agent token before it."""
     B, T = action_mask.shape
-    assert len(turn_rewards) == len(turn_end_positions) == B, "need one list of rewards and positions per row"
+    assert len(turn_rewards) == len(turn_end_positions) == B, (
+        "need one list of rewards and positions per row"
+    )
     token_rewards = torch.zeros(B, T, dtype=torch.float32, device=action_mask.device)
     for b in range(B):
-        assert len(turn_rewards[b]) == len(turn_end_positions[b]), f"row {b}: one position per turn reward"
+        assert len(turn_rewards[b]) == len(turn_end_positions[b]), (
+            f"row {b}: one position per turn reward"
+        )
         agent_positions = action_mask[b].nonzero().flatten()  # (n_agent,)
         for reward, position in zip(turn_rewards[b], turn_end_positions[b]):
             earlier = agent_positions[agent_positions <= position]
             assert len(earlier) > 0, f"row {b}: no agent token at or before position {position}"
-            token_rewards[b, earlier[-1]] += reward  # += : two turns moved onto one token both count
+            # += : two turns moved onto one token both count
+            token_rewards[b, earlier[-1]] += reward
     return token_rewards
 
 
 def assert_rewards_on_mask(token_rewards, action_mask):
-    """Every estimator reads rewards only on agent tokens; a reward anywhere else would silently vanish."""
+    """Estimators read rewards on agent tokens only: one elsewhere would silently vanish."""
     off_mask = torch.where(action_mask.bool(), torch.zeros_like(token_rewards), token_rewards)
-    assert (off_mask == 0).all(), "reward on a non-agent token would be lost: place it with place_rewards"
+    assert (off_mask == 0).all(), (
+        "reward on a non-agent token would be lost: place it with place_rewards"
+    )
 
 
 def padded(rows, fill=0, dtype=torch.long):
-    """Lists of numbers -> one (B, T) tensor, each row from column 0 on, filled with `fill` after its end."""
-    return pad_sequence([torch.tensor(row, dtype=dtype) for row in rows], batch_first=True, padding_value=fill)
+    """Lists of numbers -> one (B, T) tensor, each row from column 0, `fill` after it."""
+    tensors = [torch.tensor(row, dtype=dtype) for row in rows]
+    return pad_sequence(tensors, batch_first=True, padding_value=fill)
 
 
 def collate(trajectories, pad_token_id):
-    """Right-pad rollout.Trajectory objects into (B, T) tensors for the trainer. Token-aligned: action_mask[b, t]
-    = 1 iff token t of row b was sampled, sampler_logprobs[b, t] is its log-prob, token_rewards[b, t] holds the
-    rewards of the turns that end at t (place_rewards), prompt_lengths[b] counts row b's opening prompt tokens."""
+    """Right-pad rollout.Trajectory objects into the trainer's (B, T) tensors:
+    action_mask[b, t] = 1 iff row b's token t was sampled, sampler_logprobs[b, t] is its
+    log-prob, token_rewards[b, t] the rewards of the turns ending at t (place_rewards);
+    prompt_lengths[b] counts row b's opening prompt tokens."""
     batch = {
-        "input_ids": padded([trajectory.token_ids for trajectory in trajectories], fill=pad_token_id),
+        "input_ids": padded([trajectory.token_ids for trajectory in trajectories], pad_token_id),
         "attention_mask": padded([[1] * len(trajectory.token_ids) for trajectory in trajectories]),
         "action_mask": padded([trajectory.action_mask for trajectory in trajectories]),
-        "sampler_logprobs": padded([trajectory.logprobs for trajectory in trajectories], dtype=torch.float32),
+        "sampler_logprobs": padded(
+            [trajectory.logprobs for trajectory in trajectories], dtype=torch.float32
+        ),
     }
-    batch["token_rewards"] = place_rewards([trajectory.turn_rewards for trajectory in trajectories],
-                                           [trajectory.turn_end_positions for trajectory in trajectories],
-                                           batch["action_mask"])  # (B, T)
-    batch["prompt_lengths"] = torch.tensor([trajectory.prompt_length for trajectory in trajectories])  # (B,)
+    batch["token_rewards"] = place_rewards(
+        [trajectory.turn_rewards for trajectory in trajectories],
+        [trajectory.turn_end_positions for trajectory in trajectories], batch["action_mask"],
+    )  # (B, T)
+    prompt_lengths = [trajectory.prompt_length for trajectory in trajectories]
+    batch["prompt_lengths"] = torch.tensor(prompt_lengths)  # (B,)
     batch["truncated"] = torch.tensor([trajectory.truncated for trajectory in trajectories])  # (B,)
     return batch
 
@@ -209,19 +221,20 @@ def collate(trajectories, pad_token_id):
 # Advantage estimators
 
 def compute_gae(token_rewards, values, action_mask, gamma, lam, last_values=None):
-    """Generalized Advantage Estimation over agent tokens only; environment tokens are skipped. Inputs (B, T);
-    returns (advantages, returns), (B, T), 0 off the mask, not whitened. last_values (B,): V(s_end) after each
-    row's last agent token, 0 (the default) where the episode ended (train.bootstrap_values)."""
+    """GAE over agent tokens only, env tokens skipped. Inputs (B, T); returns (advantages,
+    returns), (B, T), 0 off the mask, not whitened. last_values (B,): V(s_end) after each
+    row's last agent token, 0 (default) where the episode ended (train.bootstrap_values)."""
     assert_rewards_on_mask(token_rewards, action_mask)
     B, T = token_rewards.shape
     mask = action_mask.bool()
     advantages = torch.zeros_like(values)
-    # Carried right-to-left: V and A of the next *agent* token. Env tokens leave them untouched,
-    # so the recursion jumps over a tool response as if it were not there. Past the end: V(s_end) and 0.
-    next_value = values.new_zeros(B) if last_values is None else last_values.to(values.dtype)  # (B,)
+    # Carried right-to-left, (B,) each: V and A of the next *agent* token (past the end:
+    # V(s_end) and 0). Env tokens leave them be: the recursion jumps over a tool response.
+    next_value = values.new_zeros(B) if last_values is None else last_values.to(values.dtype)
     next_advantage = values.new_zeros(B)  # (B,)
     for t in reversed(range(T)):
-        delta = token_rewards[:, t] + gamma * next_value - values[:, t]  # δ_t = r_t + γ V(next agent) − V_t
+        # δ_t = r_t + γ V(next agent) − V_t
+        delta = token_rewards[:, t] + gamma * next_value - values[:, t]
         advantage = delta + gamma * lam * next_advantage  # A_t = δ_t + γλ A(next agent)
         advantages[:, t] = torch.where(mask[:, t], advantage, 0.0)
         next_value = torch.where(mask[:, t], values[:, t], next_value)
@@ -231,10 +244,10 @@ def compute_gae(token_rewards, values, action_mask, gamma, lam, last_values=None
 
 
 def grpo_advantages(scores, group_ids, scale_by_std=True, eps=1e-6):
-    """GRPO: A = (score − group mean) / (group std + eps) (unbiased std) for each trajectory, (N,) from scores
-    and group_ids (N,); every agent token gets its A. scale_by_std=False is Dr.GRPO: the std division would
-    up-weight prompts almost always solved or failed. A group whose scores are all equal (a group of one
-    too) gets exactly 0, which float rounding of the mean would not give."""
+    """GRPO: A = (score − group mean) / (group std + eps) (unbiased std) per trajectory,
+    (N,) from scores and group_ids (N,); its agent tokens get it. scale_by_std=False is
+    Dr.GRPO: the std division up-weights prompts almost always solved or failed. A group
+    of equal scores (or of one) gets exactly 0, which float rounding would not give."""
     scores = torch.as_tensor(scores, dtype=torch.float32)
     group_ids = torch.as_tensor(group_ids, device=scores.device)
     _, group_index = torch.unique(group_ids, return_inverse=True)  # (N,) in 0..G-1
@@ -252,8 +265,8 @@ def grpo_advantages(scores, group_ids, scale_by_std=True, eps=1e-6):
 
 
 def states_before_turns(messages):
-    """The state each assistant turn acted on: the messages since the turn before (the system
-    prompt left out), as text. A bump into a wall leaves a game's grid, so its state, unchanged."""
+    """The state each assistant turn acted on: the messages since the turn before (no
+    system prompt), as text. A bump into a wall leaves a game's grid, its state, as is."""
     states, seen = [], []
     for message in messages:
         if message["role"] == "assistant":
@@ -265,7 +278,7 @@ def states_before_turns(messages):
 
 
 def anchor_groups(trajectories):
-    """An id per turn of every trajectory: a group's turns that met one state share it."""
+    """An id per turn of each trajectory: a group's turns that met one state share it."""
     ids = {}
     return [ids.setdefault((t.group_id, state), len(ids))
             for t in trajectories for state in states_before_turns(t.messages)]
@@ -273,11 +286,11 @@ def anchor_groups(trajectories):
 
 def gigpo_advantages(trajectories, gamma, omega=1.0, scale_by_std=True):
     """
-    GiGPO (Feng et al. 2025, arXiv 2505.10978): turn-level credit without a critic. Within a
-    group (one env seed), the turns that acted on one state form an anchor group. A turn's step
-    return is R_k = r_k + γ R_{k+1}; its step advantage is R_k against its anchor group's
-    (grpo_advantages over anchor groups). A turn alone with its state gets 0: with no repeated
-    state this is GRPO. Returns a list per trajectory: A_episode + ω A_step per turn.
+    GiGPO (Feng et al. 2025, arXiv 2505.10978): turn-level credit without a critic. In a
+    group (one env seed), the turns that acted on one state form an anchor group. A
+    turn's step return is R_k = r_k + γ R_{k+1}; its step advantage compares R_k within
+    its anchor group (grpo_advantages). A turn alone with its state gets 0: with no
+    repeated state this is GRPO. Returns, per trajectory, A_episode + ω A_step per turn.
     """
     scores, group_ids = [t.score for t in trajectories], [t.group_id for t in trajectories]
     episode = grpo_advantages(scores, group_ids, scale_by_std).tolist()  # (N,)
@@ -300,8 +313,8 @@ def gigpo_advantages(trajectories, gamma, omega=1.0, scale_by_std=True):
 
 
 def spread_over_turns(turn_values, turn_end_positions, action_mask):
-    """(B, T): turn k's value on each agent token after turn k-1's end, up to turn k's; 0 off
-    the mask."""
+    """(B, T): turn k's value on the agent tokens after turn k-1's end up to turn k's;
+    0 elsewhere."""
     spread = torch.zeros(action_mask.shape, dtype=torch.float32, device=action_mask.device)
     for b, (values, ends) in enumerate(zip(turn_values, turn_end_positions)):
         start = 0
@@ -313,9 +326,9 @@ def spread_over_turns(turn_values, turn_end_positions, action_mask):
 
 def reinforce_pp_advantages(token_rewards, action_mask, gamma, global_sum=None):
     """
-    REINFORCE++: no critic, no groups. Each agent token gets its discounted return-to-go over the agent
-    tokens after it, G_t = r_t + γ G(next agent token), and the returns are whitened over all agent tokens
-    of the batch (a global baseline; over all ranks' batches with global_sum). Returns (B, T), 0 off the mask.
+    REINFORCE++: no critic, no groups. Each agent token gets its discounted return-to-go
+    over later agent tokens, G_t = r_t + γ G(next agent token), whitened over the batch's
+    agent tokens (a global baseline; all ranks' with global_sum). (B, T), 0 off the mask.
     """
     assert_rewards_on_mask(token_rewards, action_mask)
     B, T = token_rewards.shape
@@ -323,6 +336,8 @@ def reinforce_pp_advantages(token_rewards, action_mask, gamma, global_sum=None):
     returns = torch.zeros_like(token_rewards)
     next_return = token_rewards.new_zeros(B)  # (B,) G of the next agent token
     for t in reversed(range(T)):
-        next_return = torch.where(mask[:, t], token_rewards[:, t] + gamma * next_return, next_return)
+        next_return = torch.where(
+            mask[:, t], token_rewards[:, t] + gamma * next_return, next_return
+        )
         returns[:, t] = torch.where(mask[:, t], next_return, 0.0)
     return masked_whiten(returns, action_mask, global_sum=global_sum)
