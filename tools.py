@@ -1,35 +1,35 @@
 """
-Tools: how an LLM agent acts on the world (Agent-R1's Tool: it executes one action and returns
-raw output; envs.py decides what that output is worth).
+Tools: how an LLM agent acts on the world (Agent-R1's Tool: it executes one action and
+returns raw output; envs.py decides what that output is worth).
 
-A tool is a plain Python function plus a JSON schema for its arguments, which the chat template
-renders into the system prompt (`apply_chat_template(messages, tools=[...])`): the model sees the
-tool list in the words it was trained on. Qwen2.5 (and vLLM's `hermes` parser) use the Hermes
-format for a call: the model simply writes, as ordinary assistant text,
+A tool is a Python function plus a JSON schema for its arguments, which the chat
+template renders into the system prompt (`apply_chat_template(messages, tools=[...])`),
+in the words the model was trained on. Qwen2.5 (and vLLM's `hermes` parser) use the
+Hermes format: the model simply writes, as assistant text,
 
     <tool_call>
     {"name": "search", "arguments": {"query": "capital of France"}}
     </tool_call>
 
-parse_tool_calls() finds these blocks, run_tool_call() executes one, and the observation goes back
-as a {"role": "tool"} message, which the Qwen template renders as
+parse_tool_calls() finds these blocks, run_tool_call() executes one, and the result goes
+back as a {"role": "tool"} message, which the Qwen template renders as
 
     <|im_start|>user
     <tool_response>
     ...observation...
     </tool_response><|im_end|>
 
-Those are environment tokens: the model did not sample them, so masks.py gives them loss mask 0 and
-the policy learns only from what it wrote (the call).
+Those are environment tokens: the model did not sample them, so masks.py gives them
+loss mask 0 and the policy learns only from what it wrote (the call).
 
-Why errors go back to the model as text. A malformed call, an unknown tool, a wrong argument, an
-exception, a timeout: each becomes an observation the model reads next turn, so it learns what a valid
-call is from the consequences (a wasted turn, a lower reward), and one bad call never crashes training.
-Nothing here raises on model output.
+Errors go back to the model as text. A malformed call, an unknown tool, a wrong
+argument, an exception, a timeout: each is an observation the model reads next turn, so
+it learns what a valid call is from the consequences (a wasted turn, a lower reward),
+and a bad call never crashes training. Nothing here raises on model output.
 
-Batches. A tool with a `batch_function` gets the calls of a turn's episodes at once: the search retriever
-answers them with one HTTP request, one encoder forward or one pass over the BM25 index, not one each;
-the python tool runs a turn's programs side by side, each in nanoagent/sandbox.py.
+Batches. A tool with a `batch_function` gets a turn's calls from all episodes at once:
+the retriever answers them with one HTTP request, encoder forward or BM25 pass; the
+python tool runs them side by side, each in nanoagent/sandbox.py.
 """
 import ast
 import json
@@ -51,26 +51,29 @@ class Tool:
     description: str
     parameters: dict  # JSON schema: {"type": "object", "properties": {...}, "required": [...]}
     function: Callable[..., str]
-    # Optional: runs many calls at once, [arguments of each call] -> [output of each call].
+    # Optional: many calls at once, [each call's arguments] -> [each call's output].
     batch_function: Callable[[list[dict]], list[str]] | None = None
-    bounded: bool = False  # the tool bounds its own run time (the sandbox does): no worker time-out
+    bounded: bool = False  # it bounds its own run time (the sandbox does): no time-out
 
     def schema(self) -> dict:
-        """The OpenAI function format that HF chat templates (and vLLM) accept as `tools=[...]`."""
+        """The OpenAI function format HF chat templates (and vLLM) take as `tools=`."""
         return {"type": "function", "function": {
             "name": self.name, "description": self.description, "parameters": self.parameters}}
 
 
 def string_parameters(name: str, description: str) -> dict:
     """Tool.parameters of a tool that takes one required string argument, `name`."""
-    return {"type": "object", "properties": {name: {"type": "string", "description": description}}, "required": [name]}
+    return {
+        "type": "object", "properties": {name: {"type": "string", "description": description}},
+        "required": [name],
+    }
 
 
 @dataclass
 class ToolCall:
     name: str | None
     arguments: dict | None
-    error: str | None = None  # set (a message for the model) when the call could not be parsed
+    error: str | None = None  # a message for the model when the call could not be parsed
 
 # -----------------------------------------------------------------------------
 # Parsing: text the model wrote -> ToolCalls
@@ -80,14 +83,13 @@ UNCLOSED = f"unclosed {OPEN_TAG}: no {CLOSE_TAG} follows it (was the output cut 
 
 
 def parse_tool_calls(text: str, tool_names=None, max_calls: int = 4) -> list[ToolCall]:
-    """Every <tool_call>{json}</tool_call> block in `text`, in order, bad ones as ToolCalls with `error` set;
-    text around them is ignored. As strict as serving, where the agent will run behind vLLM's Hermes parser
-    (`vllm serve --tool-call-parser hermes`): a block ends at the first </tool_call>, and what it holds must
-    be JSON (JSON's own whitespace around it, nothing else) of the shape {"name": str, "arguments": {...}}.
-    A server runs no call of a turn with a malformed block, so here every call of such a turn fails too,
-    and RL learns what the stray block cost. Stricter than serving: "arguments" must be an object (vLLM
-    would pass a string on as a string), and an unclosed last block is an error. Calls past `max_calls` are
-    dropped and reported by one error entry."""
+    """Every <tool_call>{json}</tool_call> block in `text`, in order, bad ones with
+    `error` set. As strict as vLLM's Hermes parser, which serves the agent: a block ends
+    at the first </tool_call> and holds only JSON shaped {"name": str, "arguments":
+    {...}}. A server runs no call of a turn with a malformed block, nor do we: RL learns
+    what a stray block costs. Stricter: "arguments" must be an object (vLLM passes a
+    string on), and an unclosed last block is an error. Calls past `max_calls` are
+    dropped, with one error entry."""
     calls, position = [], 0
     while (start := text.find(OPEN_TAG, position)) != -1:
         close = text.find(CLOSE_TAG, start)
@@ -96,53 +98,70 @@ def parse_tool_calls(text: str, tool_names=None, max_calls: int = 4) -> list[Too
             break
         position = close + len(CLOSE_TAG)
         try:
-            payload = json.loads(text[start + len(OPEN_TAG):close])  # json skips JSON's whitespace only
+            payload = json.loads(text[start + len(OPEN_TAG):close])  # skips JSON's whitespace only
         except (ValueError, RecursionError) as error:  # RecursionError: absurdly deep nesting
-            calls.append(ToolCall(None, None, f"invalid JSON inside {OPEN_TAG}: {getattr(error, 'msg', error)}"))
+            message = f"invalid JSON inside {OPEN_TAG}: {getattr(error, 'msg', error)}"
+            calls.append(ToolCall(None, None, message))
             continue
         calls.append(_tool_call_from_json(payload))
     if any(call.error for call in calls):
-        spoiled = f"not run: another {OPEN_TAG} block of this turn is malformed, so no call of the turn runs"
-        return [call if call.error else ToolCall(call.name, call.arguments, spoiled) for call in calls]
+        spoiled = (
+            f"not run: another {OPEN_TAG} block of this turn is malformed, "
+            "so no call of the turn runs"
+        )
+        return [
+            call if call.error else ToolCall(call.name, call.arguments, spoiled) for call in calls
+        ]
     if len(calls) > max_calls:
-        calls = calls[:max_calls] + [ToolCall(None, None, f"too many tool calls: at most {max_calls} per turn, "
-                                                          "the rest were ignored")]
+        calls = calls[:max_calls] + [ToolCall(
+            None, None, f"too many tool calls: at most {max_calls} per turn, the rest were ignored"
+        )]
     for index, call in enumerate(calls):
         if tool_names is not None and call.error is None and call.name not in tool_names:
-            calls[index] = ToolCall(call.name, call.arguments,
-                                    f"unknown tool {call.name!r}; available tools: {', '.join(sorted(tool_names))}")
+            calls[index] = ToolCall(
+                call.name, call.arguments,
+                f"unknown tool {call.name!r}; available tools: {', '.join(sorted(tool_names))}",
+            )
     return calls
 
 
 def _tool_call_from_json(payload) -> ToolCall:
-    """Checks the decoded block has the shape {"name": str, "arguments": {...}}."""
+    """Checks the decoded block's shape, {"name": str, "arguments": {...}}."""
     if not isinstance(payload, dict):
-        return ToolCall(None, None, f'a tool call must be a JSON object with "name" and "arguments", '
-                                    f'got {_json_type(payload)}')
+        return ToolCall(
+            None, None,
+            'a tool call must be a JSON object with "name" and "arguments", '
+            f'got {_json_type(payload)}',
+        )
     name, arguments = payload.get("name"), payload.get("arguments")
     if not isinstance(name, str):
         return ToolCall(None, None, 'the tool call has no "name" string')
     if not isinstance(arguments, dict):
         what = "missing" if "arguments" not in payload else f"a JSON {_json_type(arguments)}"
-        return ToolCall(name, None, f'"arguments" of tool {name!r} must be a JSON object, but it is {what}')
+        return ToolCall(
+            name, None, f'"arguments" of tool {name!r} must be a JSON object, but it is {what}'
+        )
     return ToolCall(name, arguments)
 
 # -----------------------------------------------------------------------------
 # Validating and running one call
 
-# "boolean" first: bool is a subclass of int in Python, so _json_type must test it before "integer"
-JSON_TYPES = {"boolean": (bool,), "string": (str,), "integer": (int,), "number": (int, float),
-              "array": (list,), "object": (dict,), "null": (type(None),)}
+# "boolean" first: bool is a subclass of int, so _json_type must test it before "integer"
+JSON_TYPES = {
+    "boolean": (bool,), "string": (str,), "integer": (int,), "number": (int, float),
+    "array": (list,), "object": (dict,), "null": (type(None),),
+}
 
 
 def _json_type(value) -> str:
-    """The JSON name of a Python value's type, as the model wrote it ("string", "array", ...)."""
-    return next((name for name, types in JSON_TYPES.items() if isinstance(value, types)), type(value).__name__)
+    """The JSON name of a value's type, as the model wrote it ("string", ...)."""
+    names = (name for name, types in JSON_TYPES.items() if isinstance(value, types))
+    return next(names, type(value).__name__)
 
 
 def validate_arguments(tool: Tool, arguments: dict) -> str | None:
-    """Checks `arguments` against the tool's schema (required, unknown and wrongly typed keys):
-    an error message for the model, or None when they are fine."""
+    """Checks `arguments` against the tool's schema (required, unknown and wrongly typed
+    keys): an error message for the model, or None."""
     if not isinstance(arguments, dict):
         return f"tool {tool.name!r}: arguments must be a JSON object, got {_json_type(arguments)}"
     properties = tool.parameters.get("properties", {})
@@ -153,34 +172,42 @@ def validate_arguments(tool: Tool, arguments: dict) -> str | None:
             problems.append(f"unknown argument {key!r} (expected: {', '.join(properties)})")
             continue
         expected, actual = properties[key].get("type"), _json_type(value)
-        if expected in JSON_TYPES and actual != expected and not (expected == "number" and actual == "integer"):
+        integer_as_number = expected == "number" and actual == "integer"
+        if expected in JSON_TYPES and actual != expected and not integer_as_number:
             problems.append(f"argument {key!r} must be a {expected}, got {actual}")
     return f"tool {tool.name!r}: " + "; ".join(problems) if problems else None
 
 
-def run_tool_call(call: ToolCall, tools: dict[str, Tool], timeout_s=5.0, max_output_chars=2000) -> tuple[str, bool]:
-    """Executes one parsed call: (observation text for the model, ok). ok is False when the call
-    failed (parse error, unknown tool, bad arguments, exception, timeout); a tool may still answer
-    an error of its own with ok=True (the calculator's "division by zero")."""
+def run_tool_call(
+    call: ToolCall, tools: dict[str, Tool], timeout_s=5.0, max_output_chars=2000
+) -> tuple[str, bool]:
+    """Executes one parsed call: (observation for the model, ok). ok is False when the call
+    failed (parse error, unknown tool, bad arguments, exception, timeout); a tool's own
+    error answer has ok=True (the calculator's "division by zero")."""
     return run_tool_calls([call], [tools], timeout_s, max_output_chars)[0]
 
 
-def run_tool_calls(calls: list[ToolCall], tool_sets: list[dict[str, Tool]], timeout_s=5.0,
-                   max_output_chars=2000) -> list[tuple[str, bool]]:
-    """run_tool_call on many calls, call i with the tools of tool_sets[i] (each episode has its own). The
-    valid calls to one tool with a batch_function run as one batch, every other call alone (so its exception
-    stays its own), each run in a worker thread (tool_worker) for at most timeout_s. Python cannot kill a
-    thread, so a stuck tool keeps its daemon thread: tools must bound their own work, as the calculator does."""
-    results, batches = [None] * len(calls), {}  # batches: id(tool) -> (tool, indices of its calls)
+def run_tool_calls(
+    calls: list[ToolCall], tool_sets: list[dict[str, Tool]], timeout_s=5.0,
+    max_output_chars=2000,
+) -> list[tuple[str, bool]]:
+    """run_tool_call on many calls, call i with tool_sets[i] (each episode's own). Valid
+    calls to a tool with a batch_function run as one batch, others alone (an exception
+    stays its call's), in a worker thread (tool_worker) for at most timeout_s. Python
+    cannot kill a thread, so a stuck tool keeps it: tools must bound their own work."""
+    results, batches = [None] * len(calls), {}  # batches: id(tool) -> (tool, its call indices)
     for i, (call, tools) in enumerate(zip(calls, tool_sets)):
         if (problem := call_problem(call, tools)) is not None:
             results[i] = f"Error: {problem}", False
         elif tools[call.name].batch_function is not None:
             batches.setdefault(id(tools[call.name]), (tools[call.name], []))[1].append(i)
         else:
-            results[i] = run_in_worker(tools[call.name], [call.arguments], timeout_s, max_output_chars)[0]
+            results[i] = run_in_worker(
+                tools[call.name], [call.arguments], timeout_s, max_output_chars
+            )[0]
     for tool, indices in batches.values():
-        outcomes = run_in_worker(tool, [calls[i].arguments for i in indices], timeout_s, max_output_chars)
+        arguments = [calls[i].arguments for i in indices]
+        outcomes = run_in_worker(tool, arguments, timeout_s, max_output_chars)
         for i, outcome in zip(indices, outcomes):
             results[i] = outcome
     return results
@@ -195,33 +222,38 @@ def call_problem(call: ToolCall, tools: dict[str, Tool]) -> str | None:
     return validate_arguments(tools[call.name], call.arguments)
 
 
-def run_in_worker(tool: Tool, arguments: list[dict], timeout_s, max_output_chars) -> list[tuple[str, bool]]:
-    """Runs the tool on these calls' arguments (one call, or one batch) in this thread's worker:
-    (output, ok) for each. An exception or a timeout fails every call of the run."""
+def run_in_worker(
+    tool: Tool, arguments: list[dict], timeout_s, max_output_chars
+) -> list[tuple[str, bool]]:
+    """Runs the tool on these calls' arguments (one call, or a batch) in this thread's
+    worker: (output, ok) each. An exception or a timeout fails every call of the run."""
     function = tool.batch_function or (lambda calls: [tool.function(**call) for call in calls])
     result, done = {}, threading.Event()
     tool_worker().put((function, arguments, result, done))
     if not done.wait(None if tool.bounded else timeout_s):
-        _workers.queue = None  # that thread is stuck in the tool: the next call starts a fresh one
-        return [(f"Error: tool {tool.name!r} timed out after {timeout_s} s", False)] * len(arguments)
+        _workers.queue = None  # that thread is stuck: the next call starts a new one
+        error = f"Error: tool {tool.name!r} timed out after {timeout_s} s"
+        return [(error, False)] * len(arguments)
     if "error" in result:
-        return [(f"Error: tool {tool.name!r} failed: {result['error']}"[:max_output_chars], False)] * len(arguments)
+        error = f"Error: tool {tool.name!r} failed: {result['error']}"[:max_output_chars]
+        return [(error, False)] * len(arguments)
     return [(truncate(str(output), max_output_chars), True) for output in result["outputs"]]
 
 
 def truncate(output: str, max_chars: int) -> str:
-    """Cuts a tool's output visibly, so the model knows it saw only part of it."""
+    """Cuts a tool's output visibly: the model knows it saw only part."""
     if len(output) <= max_chars:
         return output
     return output[:max_chars] + f"\n... [truncated {len(output) - max_chars} characters]"
 
 
-_workers = threading.local()  # one worker per calling thread: callers never queue behind each other
+_workers = threading.local()  # a worker per calling thread: callers never queue behind others
 
 
 def tool_worker():
-    """The task queue of this thread's tool worker, a daemon thread that runs one call at a time: long-lived,
-    as starting a thread per call costs more than a synthetic search itself (see docs/performance.md)."""
+    """The task queue of this thread's tool worker, a daemon thread running a call at a
+    time: long-lived, as a thread per call costs more than a synthetic search
+    (docs/performance.md)."""
     if getattr(_workers, "queue", None) is None:
         _workers.queue = queue.SimpleQueue()
         threading.Thread(target=serve_tool_calls, args=(_workers.queue,), daemon=True).start()
@@ -229,12 +261,14 @@ def tool_worker():
 
 
 def serve_tool_calls(tasks):
-    """A worker's loop: runs each (function, arguments, result, done) task into result, then sets done."""
+    """A worker's loop: runs each (function, arguments, result, done) task, sets done."""
     while True:
         function, arguments, result, done = tasks.get()
         try:
             outputs = function(arguments)
-            assert len(outputs) == len(arguments), f"{len(outputs)} outputs for {len(arguments)} calls"
+            assert len(outputs) == len(arguments), (
+                f"{len(outputs)} outputs for {len(arguments)} calls"
+            )
             result["outputs"] = outputs
         except Exception as error:  # any bug in any tool becomes text, never a crashed batch
             result["error"] = f"{type(error).__name__}: {error}"
@@ -244,22 +278,24 @@ def serve_tool_calls(tasks):
 # Calculator: arithmetic by walking Python's ast with an allow-list, never eval/exec
 
 MAX_EXPRESSION_CHARS = 300
-MAX_RESULT_BITS = 3400  # about 1000 decimal digits: big enough for arithmetic, too small to hang
-BINARY_OPERATORS = {ast.Add: lambda a, b: a + b, ast.Sub: lambda a, b: a - b, ast.Mult: lambda a, b: a * b,
-                    ast.Div: lambda a, b: a / b, ast.Pow: lambda a, b: a ** b}
+MAX_RESULT_BITS = 3400  # about 1000 digits: enough for arithmetic, too few to hang
+BINARY_OPERATORS = {
+    ast.Add: lambda a, b: a + b, ast.Sub: lambda a, b: a - b, ast.Mult: lambda a, b: a * b,
+    ast.Div: lambda a, b: a / b, ast.Pow: lambda a, b: a ** b,
+}
 UNARY_OPERATORS = {ast.UAdd: lambda a: a, ast.USub: lambda a: -a}
 
 
 def _evaluate(node):
-    """Evaluates an arithmetic ast node; anything but numbers and + - * / ** (...) is rejected."""
-    if isinstance(node, ast.Constant) and type(node.value) in (int, float):  # type(): excludes bool
+    """Evaluates an arithmetic ast node: only numbers and + - * / ** (...)."""
+    if isinstance(node, ast.Constant) and type(node.value) in (int, float):  # type(): no bool
         return node.value
     if isinstance(node, ast.UnaryOp) and type(node.op) in UNARY_OPERATORS:
         return UNARY_OPERATORS[type(node.op)](_evaluate(node.operand))
     if isinstance(node, ast.BinOp) and type(node.op) in BINARY_OPERATORS:
         left, right = _evaluate(node.left), _evaluate(node.right)
-        # The one operator that can explode: 9**9**9 has ~370M digits. Bound it *before* computing:
-        # base**exponent has at least (bits(base) - 1) * exponent bits.
+        # The one operator that can explode (9**9**9 has ~370M digits), bounded *before*
+        # computing: base**exponent has at least (bits(base) - 1) * exponent bits.
         if isinstance(node.op, ast.Pow) and type(left) is int and type(right) is int and right > 0 \
                 and (abs(left).bit_length() - 1) * right > MAX_RESULT_BITS:
             raise ValueError("result too large")
@@ -269,14 +305,16 @@ def _evaluate(node):
         if isinstance(value, complex):  # (-8) ** 0.5 is complex in Python
             raise ValueError("the result is not a real number")
         return value
-    raise ValueError(f"only numbers, + - * / ** and parentheses are allowed (found {type(node).__name__})")
+    raise ValueError(
+        f"only numbers, + - * / ** and parentheses are allowed (found {type(node).__name__})"
+    )
 
 
 def calculate(expression: str) -> str:
-    """Evaluates an arithmetic expression; returns the result or an "Error: ..." text. Never raises."""
+    """Evaluates an arithmetic expression: the result or an "Error: ..." text. Never raises."""
     if len(expression) > MAX_EXPRESSION_CHARS:
         return f"Error: expression too long (at most {MAX_EXPRESSION_CHARS} characters)"
-    # Models write the math symbols too; ^ means power in math (in Python it would be XOR).
+    # Models write math symbols too; ^ means power in math (in Python, XOR).
     for symbol, python in (("×", "*"), ("÷", "/"), ("−", "-"), ("^", "**")):
         expression = expression.replace(symbol, python)
     try:
@@ -289,27 +327,30 @@ def calculate(expression: str) -> str:
         return "Error: result too large"
     except (ValueError, RecursionError, MemoryError) as error:
         return f"Error: {error}"
-    if isinstance(value, float) and not math.isfinite(value):  # 1e999 parses as inf; a huge int is fine
+    if isinstance(value, float) and not math.isfinite(value):  # 1e999 parses as inf
         return "Error: the result is not a finite number"
-    return str(value) if isinstance(value, int) else format(value, ".12g")  # 6/3 -> "2", 0.1+0.2 -> "0.3"
+    # 6/3 -> "2", 0.1+0.2 -> "0.3"
+    return str(value) if isinstance(value, int) else format(value, ".12g")
 
 
 def calculator_tool() -> Tool:
     """The "calculator" tool: {"expression": str} -> the value as text."""
-    return Tool(name="calculator",
-                description="Evaluate an arithmetic expression with + - * / ** (or ^) and parentheses, "
-                            "e.g. (2.5 + 3) * -4.",
-                parameters=string_parameters("expression", "The arithmetic expression to evaluate."),
-                function=calculate)
+    return Tool(
+        name="calculator",
+        description="Evaluate an arithmetic expression with + - * / ** (or ^) and parentheses, "
+        "e.g. (2.5 + 3) * -4.",
+        parameters=string_parameters("expression", "The arithmetic expression to evaluate."),
+        function=calculate,
+    )
 
 # -----------------------------------------------------------------------------
-# Search: the model's query -> the retriever (nanoagent/retrieval.py) -> passages as text
+# Search: the model's query -> a retriever (nanoagent/retrieval.py) -> passages as text
 
 
 def search_tool(passages_or_retriever, top_k: int = 3, max_chars: int = 1500) -> Tool:
-    """The "search" tool: {"query": str} -> the top_k passages as "[i] title\\ntext", cut to max_chars.
-    `passages_or_retriever` is a list of {"title", "text"} passages (indexed here, in memory, with
-    BM25) or a retriever from nanoagent.retrieval (a saved BM25 or dense index, a retrieval server)."""
+    """The "search" tool: {"query": str} -> the top_k passages as "[i] title\\ntext",
+    cut to max_chars, from {"title", "text"} passages (BM25 here) or a retriever of
+    nanoagent.retrieval (an index or a server)."""
     retriever = passages_or_retriever
     if isinstance(retriever, list):
         retriever = BM25Retriever(retriever)
@@ -317,32 +358,43 @@ def search_tool(passages_or_retriever, top_k: int = 3, max_chars: int = 1500) ->
     def as_text(query, hits):
         if not hits:
             return f"No results for {query!r}."
-        text = "\n\n".join(f"[{rank}] {hit['title']}\n{hit['text']}" for rank, hit in enumerate(hits, 1))
+        text = "\n\n".join(
+            f"[{rank}] {hit['title']}\n{hit['text']}" for rank, hit in enumerate(hits, 1)
+        )
         return text if len(text) <= max_chars else text[:max_chars] + " ... [truncated]"
 
     def search_batch(arguments: list[dict]) -> list[str]:
         queries = [call["query"] for call in arguments]
-        return [as_text(query, hits) for query, hits in zip(queries, retriever.retrieve(queries, top_k))]
+        hits = retriever.retrieve(queries, top_k)
+        return [as_text(query, query_hits) for query, query_hits in zip(queries, hits)]
 
-    return Tool(name="search",
-                description="Search the knowledge base; returns the most relevant passages with their titles.",
-                parameters=string_parameters("query", "What to search for, in a few keywords."),
-                function=lambda query: search_batch([{"query": query}])[0],
-                batch_function=search_batch)
+    return Tool(
+        name="search",
+        description=(
+            "Search the knowledge base; returns the most relevant passages with their titles."
+        ),
+        parameters=string_parameters("query", "What to search for, in a few keywords."),
+        function=lambda query: search_batch([{"query": query}])[0], batch_function=search_batch,
+    )
 
 # -----------------------------------------------------------------------------
 # Python: the model's program, run in the sandbox (nanoagent/sandbox.py says what it stops)
 
 
 def python_tool(limits: sandbox.Limits = sandbox.Limits(output_bytes=1500)) -> Tool:
-    """The "python" tool: {"code": str} -> what the program printed, or why it was stopped (its output cap sits
-    below run_tool_calls' cut, so the sandbox's note is read). A crashing program is the tool's answer, not a
-    bad call. A turn's programs from every episode run at once, one per core."""
+    """The "python" tool: {"code": str} -> what the program printed, or why it was
+    stopped (its output cap is below run_tool_calls' cut: the sandbox's note is read). A
+    crash is the tool's answer, not a bad call. A turn's programs run one per core."""
     def run_batch(arguments: list[dict]) -> list[str]:
         with ThreadPoolExecutor(os.cpu_count()) as pool:
-            return list(pool.map(lambda call: sandbox.run_python(call["code"], limits)[0], arguments))
+            return list(pool.map(
+                lambda call: sandbox.run_python(call["code"], limits)[0], arguments
+            ))
 
-    return Tool(name="python",
-                description="Run a Python program (standard library only) and return what it printed.",
-                parameters=string_parameters("code", "The program; print() what you need to see."),
-                function=lambda code: run_batch([{"code": code}])[0], batch_function=run_batch, bounded=True)
+    return Tool(
+        name="python",
+        description="Run a Python program (standard library only) and return what it printed.",
+        parameters=string_parameters("code", "The program; print() what you need to see."),
+        function=lambda code: run_batch([{"code": code}])[0], batch_function=run_batch,
+        bounded=True,
+    )
