@@ -1,20 +1,24 @@
 """Supervised warm-up on demonstrations: the step before RL that teaches a model the format.
 
-RL can only sharpen what a policy already does sometimes. A tiny model from random weights never writes
-`<tool_call>{json}</tool_call>` or `<answer>...</answer>` (Qwen2.5-Instruct does), so no rollout earns a
-reward and every GRPO group is flat. The fix, the "cold start" SFT of DeepSeek-R1 and most agent-RL
-recipes, is a short supervised pass on demonstration episodes.
+RL can only sharpen what a policy already does sometimes. A tiny model from random
+weights never writes `<tool_call>{json}</tool_call>` or `<answer>...</answer>`
+(Qwen2.5-Instruct does), so no rollout earns a reward and every GRPO group is flat. The
+fix, the "cold start" SFT of DeepSeek-R1 and most agent-RL recipes, is a short
+supervised pass on demonstrations.
 
-The warm-up must leave a *weak* agent, or RL has nothing left to do. It runs in two phases:
-  1. correct demonstrations of an easier version of the task (the env's `warmup_options`) teach its skill,
-     copying a name from the context into the next query, in a sudden (induction-head-like) jump that
-     flawed demonstrations alone bring much later: most of their names are not in the context;
-  2. flawed demonstrations (the env's `demonstration` with a mistake rate), wrong the way a weak agent is:
-     the model keeps the skill and learns to misuse it, so RL starts low. Uniform noise would not do: the
-     right entity would stay the most likely token, and greedy decoding would already be near perfect.
+The warm-up must leave a *weak* agent, or RL has nothing left to do. Two phases:
+  1. correct demonstrations of an easier task (the env's `warmup_options`) teach the
+     skill, copying a name from the context into the next query, in a sudden
+     (induction-head-like) jump that flawed demonstrations alone bring much later:
+     most of their names are not in the context;
+  2. flawed demonstrations (the env's `demonstration` with a mistake rate), wrong as a
+     weak agent is: the model keeps the skill and learns to misuse it, so RL starts
+     low. Uniform noise would not do: the right entity would stay the likeliest token,
+     and greedy decoding near perfect.
 
-The loss is next-token cross-entropy on the assistant's tokens only, the same action mask RL uses: the
-model learns to act, not to predict tool output. The result is an HF checkpoint, cached: train.py pays once.
+The loss is next-token cross-entropy on the assistant's tokens only, RL's action mask:
+the model learns to act, not to predict tool output. The HF checkpoint it makes is
+cached: train.py pays once.
 """
 
 import hashlib
@@ -32,11 +36,14 @@ import masks
 import rollout
 from nanoagent.checkpoint import save_atomically
 from nanoagent.common import print0
-from nanoagent.models import TINY_MODELS, cache_dir, load_model, resolve_model_path, shared_prompt_hidden
+from nanoagent.models import (
+    TINY_MODELS, cache_dir, load_model, resolve_model_path, shared_prompt_hidden,
+)
 
 
 def assistant_token_mask(tokenizer, input_ids):
-    """1 on what follows each `<|im_start|>assistant\\n` up to its <|im_end|> included (a sampler's tokens), else 0."""
+    """1 on what follows each `<|im_start|>assistant\\n` up to its <|im_end|> included,
+    else 0."""
     header = rollout.encode(tokenizer, "<|im_start|>assistant\n")
     im_end = tokenizer.convert_tokens_to_ids(rollout.END_OF_TURN)
     mask, inside, t = [0] * len(input_ids), False, 0
@@ -52,7 +59,7 @@ def assistant_token_mask(tokenizer, input_ids):
 
 
 def demonstrations(tokenizer, env_class, env_kwargs, num_episodes, mistake_rate, rng, first_seed):
-    """Tokenized demonstration episodes on training seeds first_seed, first_seed + 1, ...: [(ids, mask)]."""
+    """Tokenized demonstrations on seeds first_seed, first_seed + 1, ...: [(ids, mask)]."""
     examples, solved = [], 0
     for seed in range(first_seed, first_seed + num_episodes):
         env = env_class(**env_kwargs)
@@ -66,21 +73,24 @@ def demonstrations(tokenizer, env_class, env_kwargs, num_episodes, mistake_rate,
         input_ids = rollout.encode_chat(tokenizer, messages, tool_schemas)
         examples.append((input_ids, assistant_token_mask(tokenizer, input_ids)))
         solved += result.info["success"]
-    print0(f"warm-up: {num_episodes} demonstrations at mistake rate {mistake_rate}, "
-           f"{solved / num_episodes:.0%} of them solve their task")
+    print0(
+        f"warm-up: {num_episodes} demonstrations at mistake rate {mistake_rate}, "
+        f"{solved / num_episodes:.0%} of them solve their task"
+    )
     return examples
 
 
 def demonstration_loss(model, batch, pad_token_id, device="cpu"):
-    """Next-token cross-entropy on the assistant's tokens of a batch [(ids, mask)] of demonstrations. They all
-    open with their env's system prompt and tool schemas (about half their tokens): the shared opening runs
-    once (shared_prompt_hidden), and the LM head only where the loss reads."""
+    """Next-token cross-entropy on the assistant's tokens of demonstrations [(ids, mask)].
+    They open with their env's system prompt and tool schemas (half their tokens): the
+    shared opening runs once (shared_prompt_hidden), the LM head only where the loss reads."""
     input_ids = masks.padded([ids for ids, _ in batch], fill=pad_token_id)  # (B, T), right padded
     attention_mask = masks.padded([[1] * len(ids) for ids, _ in batch])  # (B, T)
     loss_mask = masks.padded([mask for _, mask in batch])  # (B, T)
-    # Shared up to the first token the loss reads at most: shared_prompt_hidden leaves the prompt's hidden
-    # states before its last token as garbage.
-    shared = min(len(os.path.commonprefix([ids for ids, _ in batch])), *(mask.index(1) for _, mask in batch))
+    # Shared at most up to the first token the loss reads: shared_prompt_hidden leaves the
+    # hidden states before the prompt's last token as garbage.
+    common_prefix = os.path.commonprefix([ids for ids, _ in batch])
+    shared = min(len(common_prefix), *(mask.index(1) for _, mask in batch))
     input_ids, attention_mask = input_ids.to(device), attention_mask.to(device)
     keep = loss_mask[:, 1:].bool().to(device)  # (B, T-1): position t predicts token t+1
     prompt_lengths = torch.full((len(batch),), shared, device=device)  # (B,)
@@ -89,13 +99,15 @@ def demonstration_loss(model, batch, pad_token_id, device="cpu"):
     return torch.nn.functional.cross_entropy(logits, input_ids[:, 1:][keep])
 
 
-# The files whose edit changes the warmed-up weights: they key the cache, so a stale warm-up is never reused.
-WARM_UP_CODE = ["sft.py", "envs.py", "tools.py", "rollout.py", "masks.py", "nanoagent/models.py",
-                "nanoagent/qwen25_chat_template.jinja"]
+# The files whose edits change the warmed-up weights key the cache: no stale warm-up.
+WARM_UP_CODE = [
+    "sft.py", "envs.py", "tools.py", "rollout.py", "masks.py", "nanoagent/models.py",
+    "nanoagent/qwen25_chat_template.jinja",
+]
 
 
 def warm_up_code_hash():
-    """A hash of WARM_UP_CODE's files and of the torch and transformers versions."""
+    """A hash of WARM_UP_CODE's files and the torch and transformers versions."""
     root, digest = Path(__file__).resolve().parent, hashlib.sha256()
     for name in WARM_UP_CODE:
         digest.update(name.encode() + b"\0" + (root / name).read_bytes() + b"\0")
@@ -103,19 +115,25 @@ def warm_up_code_hash():
     return digest.hexdigest()[:12]
 
 
-def warm_up(model_name, env_name, env_kwargs, clean_steps=800, steps=150, batch_size=16, lr=1e-3,
-            mistake_rate=0.6, num_episodes=3000, seed=0, device="cpu"):
-    """Warms `model_name` up on demonstrations of `env_name`: `clean_steps` on correct ones, then `steps`
-    on flawed ones (each decision wrong with probability `mistake_rate`), on training seeds only (below
-    envs.EVAL_SEED_START). Returns the checkpoint path, cached by every argument and warm_up_code_hash."""
+def warm_up(
+    model_name, env_name, env_kwargs, clean_steps=800, steps=150, batch_size=16, lr=1e-3,
+    mistake_rate=0.6, num_episodes=3000, seed=0, device="cpu",
+):
+    """Warms `model_name` up on `env_name`'s demonstrations: `clean_steps` on correct ones,
+    then `steps` on flawed ones (each decision wrong with probability `mistake_rate`), on
+    training seeds only. The checkpoint's path, cached by every argument and the code."""
     env_class = envs.ENVS[env_name]
-    assert hasattr(env_class, "demonstration"), f"--env {env_name} has no demonstrations: pass --warmup_steps 0"
-    # The key names the model (a tiny one by its recipe's directory), not the cache's path: moving it must not retrain.
+    assert hasattr(env_class, "demonstration"), (
+        f"--env {env_name} has no demonstrations: pass --warmup_steps 0"
+    )
+    # The key names the model (a tiny one by its recipe), not its path: a moved cache holds.
     resolved = resolve_model_path(model_name)
     model_key = Path(resolved).name if model_name in TINY_MODELS else str(model_name)
-    settings = dict(model=model_key, env=env_name, env_kwargs=env_kwargs, clean_steps=clean_steps, steps=steps,
-                    batch_size=batch_size, lr=lr, mistake_rate=mistake_rate, num_episodes=num_episodes, seed=seed,
-                    code=warm_up_code_hash())
+    settings = dict(
+        model=model_key, env=env_name, env_kwargs=env_kwargs, clean_steps=clean_steps,
+        steps=steps, batch_size=batch_size, lr=lr, mistake_rate=mistake_rate,
+        num_episodes=num_episodes, seed=seed, code=warm_up_code_hash(),
+    )
     key = hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()[:12]
     path = cache_dir() / "warmup" / f"{Path(model_key).name}-{env_name}-{key}"
     if (path / "config.json").exists():
@@ -124,21 +142,25 @@ def warm_up(model_name, env_name, env_kwargs, clean_steps=800, steps=150, batch_
     model, tokenizer = load_model(resolved, device=device)
     model.train()
     rng = random.Random(seed)
-    phases = [(clean_steps, 0.0), (steps, mistake_rate)]  # phase 1 builds the skill, phase 2 its misuse
-    # lr 1e-3: at 3e-3 the skill's jump came late or never, depending on the seed and the CPU (docs/performance.md).
+    phases = [(clean_steps, 0.0), (steps, mistake_rate)]  # the skill, then its misuse
+    # lr 1e-3: at 3e-3 the jump came late or never, by seed and CPU (docs/performance.md).
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
-    # A short linear warm-up, then constant: decaying the rate before the jump only delays it.
+    # A short linear warm-up, then constant: decay before the jump only delays it.
     schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: min(1.0, (step + 1) / 20))
     generator = torch.Generator().manual_seed(seed)
     for phase, (phase_steps, phase_mistake_rate) in enumerate(phases):
         if phase_steps == 0:
             continue
         kwargs = {**env_kwargs, **env_class.warmup_options} if phase == 0 else env_kwargs
-        examples = demonstrations(tokenizer, env_class, kwargs, num_episodes, phase_mistake_rate, rng,
-                                  first_seed=phase * num_episodes)
-        progress = tqdm(range(phase_steps), desc=f"warm-up (SFT), {'correct' if phase == 0 else 'flawed'} demos")
+        examples = demonstrations(
+            tokenizer, env_class, kwargs, num_episodes, phase_mistake_rate, rng,
+            first_seed=phase * num_episodes,
+        )
+        kind = "correct" if phase == 0 else "flawed"
+        progress = tqdm(range(phase_steps), desc=f"warm-up (SFT), {kind} demos")
         for _ in progress:
-            batch = [examples[i] for i in torch.randint(len(examples), (batch_size,), generator=generator)]
+            indices = torch.randint(len(examples), (batch_size,), generator=generator)
+            batch = [examples[i] for i in indices]
             loss = demonstration_loss(model, batch, tokenizer.pad_token_id, device)
             loss.backward()
             torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)

@@ -1,17 +1,19 @@
 """
-An agent written the way agents are written: a loop over the official `openai` client's chat completions with
-one tool. Nothing here knows about nanoagent. Point it at any OpenAI-compatible server, or let train.py train
-it through nanoagent's endpoint (serve.py), which runs it once per episode:
+An agent written the way agents are written: a loop over the official `openai`
+client's chat completions with one tool, knowing nothing of nanoagent. Point it at any
+OpenAI-compatible server, or let train.py train it through nanoagent's endpoint
+(serve.py), running it once per episode:
 
-    python train.py --agent "python examples/multihop_agent.py"        # learns on CPU (docs/results.md)
-    OPENAI_BASE_URL=http://127.0.0.1:8000/v1 OPENAI_API_KEY=none python examples/multihop_agent.py
+    python train.py --agent "python examples/multihop_agent.py"   # learns on CPU (docs/results.md)
+    OPENAI_BASE_URL=http://127.0.0.1:8000/v1 OPENAI_API_KEY=none \
+        python examples/multihop_agent.py
 
-The task is nanoagent's synthetic multi-hop QA, rebuilt here from its rules (envs.SyntheticQAEnv with two
-hops draws the same question and facts from a seed, so the two compare and train.py's warm-up applies):
-made-up films, people, cities and countries, and a question that needs one search per hop ("Where was the
-director of Amber born?": search Amber, then its director). The agent's environment gives the task's seed
-($NANOAGENT_TASK_SEED); its last line of output is the reward, the way train.py --agent reads it:
-{"reward": 1.0, "success": true} for the right answer.
+The task is nanoagent's synthetic multi-hop QA, rebuilt from its rules (with two hops
+envs.SyntheticQAEnv draws the same question and facts from a seed: the two compare,
+and train.py's warm-up applies): made-up films, people, cities and countries, and a
+question needing a search per hop ("Where was the director of Amber born?": search
+Amber, then its director). The environment gives the seed ($NANOAGENT_TASK_SEED); the
+last line printed is the reward, {"reward": 1.0, "success": true} when right.
 """
 
 import json
@@ -22,27 +24,39 @@ import string
 
 import openai
 
-NAMES = ("Amber Aspen Birch Cedar Coral Daisy Delta Ember Fable Fern Flint Frost Gale Grove Hazel Heron "
-         "Iris Ivory Jade Juniper Kestrel Lark Laurel Lotus Maple Marsh Meadow Mint Moss Nova Oak Olive "
-         "Onyx Opal Orchid Pearl Pebble Pine Plum Quartz Raven Reed Ridge Robin Rose Ruby Rust Sage "
-         "Slate Sparrow Spruce Thorn Tide Topaz Vale Willow Wren Zephyr Aurora Basil Clover Dune Echo Finch "
-         "Garnet Harbor Indigo Jasper Lilac Linden Lumen Misty Nectar Orion Poppy Quill Rowan Saffron Sierra "
-         "Tansy Umber Velvet Wisp Yarrow Zinnia Acorn Bramble Cinder Dawn Comet Fjord Glade Moor Tundra").split()
+NAMES = (
+    "Amber Aspen Birch Cedar Coral Daisy Delta Ember Fable Fern Flint Frost Gale Grove "
+    "Hazel Heron Iris Ivory Jade Juniper Kestrel Lark Laurel Lotus Maple Marsh Meadow Mint "
+    "Moss Nova Oak Olive Onyx Opal Orchid Pearl Pebble Pine Plum Quartz Raven Reed Ridge "
+    "Robin Rose Ruby Rust Sage Slate Sparrow Spruce Thorn Tide Topaz Vale Willow Wren "
+    "Zephyr Aurora Basil Clover Dune Echo Finch Garnet Harbor Indigo Jasper Lilac Linden "
+    "Lumen Misty Nectar Orion Poppy Quill Rowan Saffron Sierra Tansy Umber Velvet Wisp "
+    "Yarrow Zinnia Acorn Bramble Cinder Dawn Comet Fjord Glade Moor Tundra"
+).split()
 KINDS = ["film", "person", "city", "country"]  # each kind points to the next by one relation
 RELATIONS = ["directed by", "born in", "located in"]
-QUESTIONS = ["Where was the director of {} born?", "In which country was {} born?"]  # two hops from a film, a person
-SYSTEM = "Answer the question. Call search with a name to get its facts, then answer as <answer>name</answer>."
+# two hops from a film, from a person
+QUESTIONS = ["Where was the director of {} born?", "In which country was {} born?"]
+SYSTEM = (
+    "Answer the question. Call search with a name to get its facts, "
+    "then answer as <answer>name</answer>."
+)
 SEARCH = {"type": "function", "function": {
     "name": "search", "description": "Look up a name; returns the facts about it.",
-    "parameters": {"type": "object", "properties": {"query": {"type": "string", "description": "A name."}},
-                   "required": ["query"]}}}
-HINT = ('Invalid reply: call a tool as <tool_call>{"name": ..., "arguments": {...}}</tool_call> '
-        'or give the final answer as <answer>...</answer>.')
+    "parameters": {
+        "type": "object", "properties": {"query": {"type": "string", "description": "A name."}},
+        "required": ["query"],
+    },
+}}
+HINT = (
+    'Invalid reply: call a tool as <tool_call>{"name": ..., "arguments": {...}}</tool_call> '
+    'or give the final answer as <answer>...</answer>.'
+)
 MAX_TURNS, MAX_TOKENS_PER_REPLY = 4, 32
 
 
 def new_task(seed, per_kind=3):
-    """(question, answer, facts as (subject, relation, object)) of a seed: a fresh knowledge base every time."""
+    """(question, answer, facts as (subject, relation, object)): a fresh KB per seed."""
     rng = random.Random(seed)
     chosen = rng.sample(NAMES, len(KINDS) * per_kind)
     entities = {kind: chosen[i::len(KINDS)] for i, kind in enumerate(KINDS)}
@@ -60,7 +74,10 @@ def new_task(seed, per_kind=3):
 def search(query, facts):
     """The tool: every fact about the name asked for (case and punctuation aside)."""
     key = str(query).strip().strip(string.punctuation + " ").lower()
-    found = [f"{subject}: {relation} {obj}." for subject, relation, obj in facts if subject.lower() == key]
+    found = [
+        f"{subject}: {relation} {obj}." for subject, relation, obj in facts
+        if subject.lower() == key
+    ]
     return " ".join(found) if found else f"No facts about {str(query).strip()}."
 
 
@@ -76,11 +93,13 @@ def play(client, seed):
     messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": question}]
     for _ in range(MAX_TURNS):
         try:
-            reply = client.chat.completions.create(model=os.environ.get("OPENAI_MODEL", "policy"), messages=messages,
-                                                   tools=[SEARCH], max_tokens=MAX_TOKENS_PER_REPLY).choices[0].message
+            reply = client.chat.completions.create(
+                model=os.environ.get("OPENAI_MODEL", "policy"), messages=messages,
+                tools=[SEARCH], max_tokens=MAX_TOKENS_PER_REPLY,
+            ).choices[0].message
         except openai.BadRequestError:  # the conversation outgrew the model's context: no answer
             break
-        messages.append(reply)  # the reply as it came: the server recognises its own turn in the next request
+        messages.append(reply)  # as it came: the server recognises its own turn next request
         given = re.search(r"<answer>(.*?)</answer>", reply.content or "", re.DOTALL)
         if given:
             return given[1].strip(), answer
@@ -89,7 +108,8 @@ def play(client, seed):
                 query = json.loads(call.function.arguments).get("query", "")
             except (ValueError, AttributeError):
                 query = ""
-            messages.append({"role": "tool", "tool_call_id": call.id, "content": search(query, facts)})
+            observation = search(query, facts)
+            messages.append({"role": "tool", "tool_call_id": call.id, "content": observation})
         if not reply.tool_calls:
             messages.append({"role": "user", "content": HINT})
     return None, answer
