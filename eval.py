@@ -1,26 +1,29 @@
 """
 Evaluate trained agents, run the papers' baselines, and chat with an agent in the terminal.
 
-    python eval.py --model tiny --env synthetic_qa --n 64                       # one model, greedy
-    python eval.py --model Qwen/Qwen2.5-3B-Instruct --model runs/ppo/step_000200 --model runs/grpo/step_000200 \
-        --env search_qa --data hotpotqa --split validation --n 512 --baselines --json results.json
-    python eval.py --model runs/grpo/step_000200 --env calculator --temperature 0 1.0 --samples 8   # + pass@1..8
-    python eval.py --chat --model tiny --env synthetic_qa --seed 3             # talk to it; Ctrl-D or "exit" leaves
+    python eval.py --model tiny --env synthetic_qa --n 64   # one model, greedy
+    python eval.py --model Qwen/Qwen2.5-3B-Instruct --model runs/ppo/step_000200 \
+        --model runs/grpo/step_000200 --env search_qa --data hotpotqa --split validation \
+        --n 512 --baselines --json results.json
+    python eval.py --model runs/grpo/step_000200 --env calculator \
+        --temperature 0 1.0 --samples 8   # + pass@1..8
+    python eval.py --chat --model tiny --env synthetic_qa --seed 3   # Ctrl-D or "exit" leaves
 
-Evaluation. rollout.rollout, the loop training uses, plays held-out seeds (envs.eval_seeds; rows of
---split for search_qa). Each (model, setting, temperature) is one row, with the numbers training logs
-(rollout.summarize) and pass@k, the unbiased 1 - C(n-c, k) / C(n, k) from n samples per seed with c successes
-(Codex paper), for k = 1, 2, 4, ... up to --samples. Temperature 0 is greedy. One process, no torchrun.
+Evaluation. rollout.rollout, training's loop, plays held-out seeds (envs.eval_seeds;
+rows of --split for search_qa). Each (model, setting, temperature) is a row of the
+numbers training logs (rollout.summarize) and pass@k for k = 1, 2, 4, ... up to
+--samples: the unbiased 1 - C(n-c, k) / C(n, k) from n samples per seed with c
+successes (Codex paper). Temperature 0 is greedy. One process, no torchrun.
 
-Baselines (Agent-R1's table), rows added by --baselines for every model, tool envs only:
-  tools          the plain row: Base Tool Call when the model is the untrained one
-  naive_rag      retrieve once with the question through the env's own search; the passages go into the
-                 prompt and the model answers in one turn without tools (on synthetic_qa, whose search is an
-                 exact name lookup, this equals no retrieval: the point of a multi-hop task)
-  no_retrieval   the question alone, answered in one turn without tools
+Baselines (Agent-R1's table), rows --baselines adds for every model, tool envs only:
+  tools         the plain row: Base Tool Call when the model is the untrained one
+  naive_rag     one search with the question, its passages in the prompt of one turn
+                without tools (on synthetic_qa, an exact name lookup, no retrieval:
+                the point of a multi-hop task)
+  no_retrieval  the question alone, answered in one turn without tools
 
-Chat. The user's messages replace the env's question; the tools are those of --env for --seed. The
-agent's tool calls run live, token in, token out, until it writes no call.
+Chat. The user's messages replace the env's question; the tools are --env's for
+--seed. The agent's calls run live, token in, token out, until it writes none.
 """
 import argparse
 import dataclasses
@@ -48,19 +51,20 @@ from nanoagent.sampler import TorchSampler
 
 
 def pass_at_k(n: int, c: int, k: int) -> float:
-    """Probability that at least one of k samples, drawn without replacement from n with c correct, is correct."""
+    """P(at least one of k samples, drawn without replacement from n with c correct, is
+    correct)."""
     assert 0 <= c <= n and 1 <= k <= n, f"need 0 <= c <= n and 1 <= k <= n, got n={n} c={c} k={k}"
     return 1.0 - math.comb(n - c, k) / math.comb(n, k)
 
 
 def pass_ks(samples: int) -> list[int]:
-    """The k reported for `samples` samples per seed: powers of two below it, and `samples` itself."""
+    """The k reported for `samples` per seed: the powers of two below it, and itself."""
     return sorted({2 ** i for i in range(samples.bit_length()) if 2 ** i < samples} | {samples})
 
 
 def summarize(trajectories: list) -> dict:
-    """The table's numbers for a list of rollout.Trajectory: rollout.summarize's, and pass@k over the samples
-    of each seed (every seed with the same number of samples)."""
+    """The table's numbers for rollout.Trajectory objects: rollout.summarize's, and pass@k
+    over each seed's samples (as many per seed)."""
     successes = defaultdict(list)  # env seed -> success of each sample
     for trajectory in trajectories:
         successes[trajectory.seed].append(bool(trajectory.info["success"]))
@@ -68,17 +72,26 @@ def summarize(trajectories: list) -> dict:
     assert len(samples) == 1, f"every seed needs the same number of samples, got {samples}"
     row = {"episodes": len(trajectories), **rollout.summarize(trajectories)}
     for k in pass_ks(samples.pop()):
-        row[f"pass@{k}"] = statistics.fmean(pass_at_k(len(flags), sum(flags), k) for flags in successes.values())
+        row[f"pass@{k}"] = statistics.fmean(
+            pass_at_k(len(flags), sum(flags), k) for flags in successes.values()
+        )
     return row
 
 
 def format_table(rows: list[dict]) -> str:
-    """Rows of (model, setting, temperature, metrics) as an aligned text table; a missing number prints "-"."""
-    ks = sorted({key for row in rows for key in row if key.startswith("pass@")}, key=lambda key: int(key[5:]))
-    columns = ["model", "setting", "temp", "episodes", "success", "em", "f1", "reward", "turns", "tool_calls",
-               "invalid_call_rate", "truncated", "no_answer", *ks]
-    headers = {"tool_calls": "calls", "invalid_call_rate": "invalid", "truncated": "trunc", "no_answer": "no ans",
-               "em": "EM", "f1": "F1"}
+    """Rows of (model, setting, temperature, metrics) as an aligned table; None prints "-"."""
+    ks = sorted(
+        {key for row in rows for key in row if key.startswith("pass@")},
+        key=lambda key: int(key[5:]),
+    )
+    columns = [
+        "model", "setting", "temp", "episodes", "success", "em", "f1", "reward", "turns",
+        "tool_calls", "invalid_call_rate", "truncated", "no_answer", *ks,
+    ]
+    headers = {
+        "tool_calls": "calls", "invalid_call_rate": "invalid", "truncated": "trunc",
+        "no_answer": "no ans", "em": "EM", "f1": "F1",
+    }
 
     def cell(value, column):
         if value is None:
@@ -87,72 +100,94 @@ def format_table(rows: list[dict]) -> str:
     table = [[headers.get(column, column) for column in columns]]
     table += [[cell(row.get(column), column) for column in columns] for row in rows]
     widths = [max(len(line[i]) for line in table) for i in range(len(columns))]
-    return "\n".join("  ".join(text.ljust(width) for text, width in zip(line, widths)).rstrip() for line in table)
+    return "\n".join(
+        "  ".join(text.ljust(width) for text, width in zip(line, widths)).rstrip() for line in table
+    )
 
 # -----------------------------------------------------------------------------
 # Baselines: the same task with the tools taken away
 
 
 class BaselineEnv:
-    """A ToolEnv for Agent-R1's baselines: one turn, no tools, same question and scoring (retrieve=True:
-    naive RAG)."""
+    """Agent-R1's baselines of a ToolEnv: one turn, no tools, its question and scoring
+    (retrieve=True: naive RAG)."""
 
     def __init__(self, env: envs.ToolEnv, retrieve: bool):
         assert isinstance(env, envs.ToolEnv), f"baselines need a tool env, got {type(env).__name__}"
         self.env, self.retrieve, self.max_turns = env, retrieve, 1
 
     def reset(self, seed: int, episode: int = 0) -> tuple[list[dict], list[dict]]:
-        """The env's episode for `seed`, with a tool-free prompt (and retrieved passages for naive RAG)."""
+        """The env's episode for `seed`, with a tool-free prompt (naive RAG: and passages)."""
         self.env.reset(seed, episode)
         question = self.env.question
         if self.retrieve:
-            assert "search" in self.env.tools, f"naive RAG needs a search tool, {type(self.env).__name__} has none"
-            passages, _ = tools.run_tool_call(tools.ToolCall("search", {"query": question}), self.env.tools)
+            assert "search" in self.env.tools, (
+                f"naive RAG needs a search tool, {type(self.env).__name__} has none"
+            )
+            search = tools.ToolCall("search", {"query": question})
+            passages, _ = tools.run_tool_call(search, self.env.tools)
             question = f"Passages:\n{passages}\n\nQuestion: {question}"
-        # From here a tool call is an unknown tool (an invalid call), and the first turn is the last.
+        # From here a tool call is invalid (unknown tool), and the first turn the last.
         self.env.tools, self.env.max_turns = {}, 1
-        system = envs.ToolEnv.system_prompt + (envs.THINK_INSTRUCTION if self.env.require_think else "")
+        think = envs.THINK_INSTRUCTION if self.env.require_think else ""
+        system = envs.ToolEnv.system_prompt + think
         return [{"role": "system", "content": system}, {"role": "user", "content": question}], []
 
     def step(self, assistant_text: str) -> envs.StepResult:
-        """The wrapped env's step: its answer scoring, rewards and info."""
+        """The wrapped env's step: its scoring, rewards and info."""
         return self.env.step(assistant_text)
 
 
-SETTINGS = {"tools": lambda env: env, "naive_rag": lambda env: BaselineEnv(env, retrieve=True),
-            "no_retrieval": lambda env: BaselineEnv(env, retrieve=False)}
+SETTINGS = {
+    "tools": lambda env: env, "naive_rag": lambda env: BaselineEnv(env, retrieve=True),
+    "no_retrieval": lambda env: BaselineEnv(env, retrieve=False),
+}
 
 # -----------------------------------------------------------------------------
 # Evaluation and chat
 
 
-def evaluate(sampler, tokenizer, make_env, seeds, samples=1, temperature=0.0, max_new_tokens=256,
-             max_total_tokens=4096, seeds_per_batch=64, sample_seed=0, progress=True, save_as=None) -> dict:
-    """Plays `samples` episodes per seed with rollout.rollout (batched by seeds) and returns summarize()'s row.
-    save_as=(directory, label): also append the episodes to directory/trajectories.jsonl under that label."""
-    assert temperature > 0 or samples == 1, "greedy decoding (temperature 0) gives identical samples: use --samples 1"
+def evaluate(
+    sampler, tokenizer, make_env, seeds, samples=1, temperature=0.0, max_new_tokens=256,
+    max_total_tokens=4096, seeds_per_batch=64, sample_seed=0, progress=True, save_as=None,
+) -> dict:
+    """summarize()'s row of `samples` episodes per seed from rollout.rollout (batched by
+    seeds). save_as=(directory, label): also append them to directory/trajectories.jsonl."""
+    assert temperature > 0 or samples == 1, (
+        "greedy decoding (temperature 0) gives identical samples: use --samples 1"
+    )
     seeds, trajectories = list(seeds), []
     max_turns = make_env().max_turns
-    for start in tqdm(range(0, len(seeds), seeds_per_batch), desc="eval batches", disable=not progress):
-        batch = rollout.rollout(sampler, tokenizer, make_env, seeds[start:start + seeds_per_batch], samples, max_turns,
-                                max_new_tokens, max_total_tokens, temperature=temperature, sample_seed=sample_seed)
-        trajectories += [dataclasses.replace(t, group_id=start + t.group_id) for t in batch]  # numbered over all
+    starts = range(0, len(seeds), seeds_per_batch)
+    for start in tqdm(starts, desc="eval batches", disable=not progress):
+        batch = rollout.rollout(
+            sampler, tokenizer, make_env, seeds[start:start + seeds_per_batch], samples,
+            max_turns, max_new_tokens, max_total_tokens,
+            temperature=temperature, sample_seed=sample_seed,
+        )
+        # group ids numbered across batches
+        trajectories += [dataclasses.replace(t, group_id=start + t.group_id) for t in batch]
     if save_as:
-        append_jsonl(Path(save_as[0]) / TRAJECTORIES, trajectory_records(trajectories, tokenizer, save_as[1]))
+        records = trajectory_records(trajectories, tokenizer, save_as[1])
+        append_jsonl(Path(save_as[0]) / TRAJECTORIES, records)
     return summarize(trajectories)
 
 
-AGENT_COLOR, ENV_COLOR, RESET = "\033[32m", "\033[90m", "\033[0m"  # chat in a terminal: agent green, tools grey
+# chat in a terminal: agent green, tools grey
+AGENT_COLOR, ENV_COLOR, RESET = "\033[32m", "\033[90m", "\033[0m"
 
 
-def chat(sampler, tokenizer, env, seed=0, max_turns=4, max_new_tokens=256, max_total_tokens=4096,
-         temperature=0.0, read=input, write=print, color=False):
-    """Interactive loop: read() a user message, let the agent write, run its tool calls live, repeat, until
-    read() raises EOFError (Ctrl-D) or returns "exit"/"quit". Any sampler with generate() (tests script one)."""
+def chat(
+    sampler, tokenizer, env, seed=0, max_turns=4, max_new_tokens=256, max_total_tokens=4096,
+    temperature=0.0, read=input, write=print, color=False,
+):
+    """The chat above, until read() raises EOFError (Ctrl-D) or returns "exit"/"quit". Any
+    sampler with generate() (tests script one)."""
     agent_color, env_color, plain = (AGENT_COLOR, ENV_COLOR, RESET) if color else ("", "", "")
     messages, tool_schemas = env.reset(seed)
     tool_dict = getattr(env, "tools", {})
-    write(f"tools: {', '.join(tool_dict) or 'none'}   (env question for seed {seed}: {messages[-1]['content']!r})")
+    question = messages[-1]["content"]
+    write(f"tools: {', '.join(tool_dict) or 'none'}   (env question for seed {seed}: {question!r})")
     end_of_turn = tokenizer.convert_tokens_to_ids(rollout.END_OF_TURN)
     stop_token_ids = [tokenizer.convert_tokens_to_ids(token) for token in rollout.STOP_TOKENS]
     token_ids, turn = [], 0
@@ -165,31 +200,38 @@ def chat(sampler, tokenizer, env, seed=0, max_turns=4, max_new_tokens=256, max_t
         if user_text in ("exit", "quit"):
             return
         user = {"role": "user", "content": user_text}
-        if token_ids:  # later messages: appended as tokens after the last <|im_end|>, like an observation
+        if token_ids:  # later messages: tokens after the last <|im_end|>, as observations are
             token_ids += rollout.observation_tokens(tokenizer, [user])
         else:
-            token_ids = rollout.encode_chat(tokenizer, [messages[0], user], tool_schemas, add_generation_prompt=True)
+            token_ids = rollout.encode_chat(
+                tokenizer, [messages[0], user], tool_schemas, add_generation_prompt=True
+            )
         for step in range(max_turns):
             if len(token_ids) >= max_total_tokens:
                 write(f"[context full: {len(token_ids)} tokens; start a new chat]")
                 return
-            generation = sampler.generate([token_ids], min(max_new_tokens, max_total_tokens - len(token_ids)),
-                                          temperature=temperature, stop_token_ids=stop_token_ids, seed=turn)[0]
+            generation = sampler.generate(
+                [token_ids], min(max_new_tokens, max_total_tokens - len(token_ids)),
+                temperature=temperature, stop_token_ids=stop_token_ids, seed=turn,
+            )[0]
             turn += 1
             sampled, closing = rollout.close_turn(generation, end_of_turn)
             token_ids += generation.token_ids + closing  # as sampled, like rollout's trajectories
             text = tokenizer.decode(sampled)
             write(f"{agent_color}agent> {text}{plain}")
-            calls = tools.parse_tool_calls(envs.split_thinking(text)[1], tool_dict) if tool_dict else []
+            action_text = envs.split_thinking(text)[1]
+            calls = tools.parse_tool_calls(action_text, tool_dict) if tool_dict else []
             if not calls:
                 break
-            if step == max_turns - 1:  # no turn would follow the results: the conversation must end on <|im_end|>
-                write(f"{env_color}  [turn limit {max_turns} reached: these calls were not run]{plain}")
+            if step == max_turns - 1:  # no turn would follow: the chat must end on <|im_end|>
+                limit = f"turn limit {max_turns} reached: these calls were not run"
+                write(f"{env_color}  [{limit}]{plain}")
                 break
             observations = []
             for call in calls:
                 output, ok = tools.run_tool_call(call, tool_dict)
-                write(f"{env_color}  [tool {call.name}({json.dumps(call.arguments)})] -> {output}{plain}")
+                arguments = json.dumps(call.arguments)
+                write(f"{env_color}  [tool {call.name}({arguments})] -> {output}{plain}")
                 observations.append({"role": "tool", "content": output})
             token_ids += rollout.observation_tokens(tokenizer, observations)
 
@@ -198,37 +240,45 @@ def chat(sampler, tokenizer, env, seed=0, max_turns=4, max_new_tokens=256, max_t
 
 
 def make_sampler(kind, model_name, max_total_tokens=4096, vllm_memory=0.5):
-    """(sampler, tokenizer) for a model name or path: a vLLM engine (vllm_memory: its share of the GPU), or the
-    model in this process."""
+    """(sampler, tokenizer) for a model name or path: a vLLM engine (vllm_memory: its GPU
+    share), or the model in this process."""
     if kind == "vllm":
-        from nanoagent.sampler import VLLMSampler  # imported here: only where vLLM is installed
+        from nanoagent.sampler import VLLMSampler  # here: only where vLLM is installed
         path = models.resolve_model_path(model_name)
-        # gpu_memory_utilization counts on a GPU only: on the CPU the KV cache is bounded in bytes
-        sampler = VLLMSampler(path, gpu_memory_utilization=vllm_memory, max_model_len=max_total_tokens)
+        # gpu_memory_utilization counts on a GPU only (a CPU's KV cache is bounded in bytes)
+        sampler = VLLMSampler(
+            path, gpu_memory_utilization=vllm_memory, max_model_len=max_total_tokens
+        )
         return sampler, AutoTokenizer.from_pretrained(path)
     device = common.autodetect_device_type()
-    model, tokenizer = models.load_model(model_name, device=device, dtype=common.autodetect_dtype(device))
+    dtype = common.autodetect_dtype(device)
+    model, tokenizer = models.load_model(model_name, device=device, dtype=dtype)
     return TorchSampler(model), tokenizer
 
 
-def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                     formatter_class=argparse.RawTextHelpFormatter)
+def get_args(argv=None):
+    parser = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter
+    )
     add = parser.add_argument
     # Models and sampling
-    add("--model", action="append", required=True, help="HF name, checkpoint dir, 'tiny' or 'tiny-deep'; repeat")
+    add("--model", action="append", required=True,
+        help="HF name, checkpoint dir, 'tiny' or 'tiny-deep'; repeat")
     add("--sampler", choices=["torch", "vllm"], help="default: vllm on a GPU, else torch")
-    add("--vllm_memory", type=float, default=0.5, help="--sampler vllm on GPUs: its share of the card's memory")
-    add("--temperature", type=float, nargs="+", default=[0.0], help="0 = greedy; several give several rows")
+    add("--vllm_memory", type=float, default=0.5,
+        help="--sampler vllm on GPUs: its share of the card's memory")
+    add("--temperature", type=float, nargs="+", default=[0.0],
+        help="0 = greedy; several give several rows")
     add("--samples", type=int, default=1, help="samples per seed when sampling (pass@k up to this)")
     add("--max_new_tokens", type=int, default=256, help="per assistant turn")
     add("--max_total_tokens", type=int, default=4096, help="per episode")
-    add("--seeds_per_batch", type=int, default=64, help="seeds per rollout() call (x samples episodes)")
+    add("--seeds_per_batch", type=int, default=64,
+        help="seeds per rollout() call (x samples episodes)")
     # Environment and data
     add("--env", default="synthetic_qa", choices=sorted(envs.ENVS))
     add("--env_options", default="{}", help='JSON constructor options, e.g. \'{"hops": 3}\'')
     add("--max_turns", type=int, help="default: the env's own")
-    add("--data", default="hotpotqa", help="search_qa, math: Hub name or local .json/.jsonl/.parquet")
+    add("--data", default="hotpotqa", help="search_qa, math: Hub name, local .json/.jsonl/.parquet")
     add("--split", default="validation",
         help="search_qa: the held-out split (a local file: its held-out share; 'all': every row)")
     add("--n", type=int, default=256, help="evaluation seeds (search_qa: rows)")
@@ -238,44 +288,64 @@ def main(argv=None):
     add("--json", help="also write the rows to this JSON file")
     add("--trajectories", help="also write every episode to this directory's trajectories.jsonl, "
         "as train.py does (python -m nanoagent.report DIR shows them)")
-    add("--chat", action="store_true", help="talk to the (first) model with --env's tools for --seed")
+    add("--chat", action="store_true", help="talk to the first model with --env's tools for --seed")
     add("--seed", type=int, default=0, help="chat: the env seed whose tools (KB) are used")
-    args = parser.parse_args(argv)
+    return parser.parse_args(argv)
 
+
+def table_settings(args, make_env, seeds) -> list[str]:
+    """The rows' settings: "tools", and with --baselines those the env allows."""
+    settings = ["tools"]
+    if args.baselines:
+        probe = make_env()
+        assert isinstance(probe, envs.ToolEnv), (
+            f"--baselines needs a tool env, {args.env} is a game"
+        )
+        probe.reset(seeds[0])
+        settings += (["naive_rag"] if "search" in probe.tools else []) + ["no_retrieval"]
+    return settings
+
+
+def main(argv=None):
+    args = get_args(argv)
     if args.trajectories:
         Path(args.trajectories).mkdir(parents=True, exist_ok=True)
-    sampler_kind = args.sampler or ("vllm" if common.autodetect_device_type() == "cuda" else "torch")
+    on_gpu = common.autodetect_device_type() == "cuda"
+    sampler_kind = args.sampler or ("vllm" if on_gpu else "torch")
     options = json.loads(args.env_options)
     if args.max_turns is not None:
         options["max_turns"] = args.max_turns
     make_env = envs.env_factory(args.env, options, data=args.data, split=args.split)
     if args.chat:
-        sampler, tokenizer = make_sampler(sampler_kind, args.model[0], args.max_total_tokens, args.vllm_memory)
-        chat(sampler, tokenizer, make_env(), args.seed, args.max_turns or 4, args.max_new_tokens,
-             args.max_total_tokens, args.temperature[0], color=sys.stdout.isatty())
+        sampler, tokenizer = make_sampler(
+            sampler_kind, args.model[0], args.max_total_tokens, args.vllm_memory
+        )
+        chat(
+            sampler, tokenizer, make_env(), args.seed, args.max_turns or 4, args.max_new_tokens,
+            args.max_total_tokens, args.temperature[0], color=sys.stdout.isatty(),
+        )
         return
     if args.seed_start is None:
         args.seed_start = 0 if envs.ENVS[args.env] in envs.DATA_ENVS else envs.EVAL_SEED_START
     seeds = range(args.seed_start, args.seed_start + args.n)
-    settings = ["tools"]
-    if args.baselines:
-        probe = make_env()
-        assert isinstance(probe, envs.ToolEnv), f"--baselines needs a tool env, {args.env} is a game"
-        probe.reset(seeds[0])
-        settings += (["naive_rag"] if "search" in probe.tools else []) + ["no_retrieval"]
+    settings = table_settings(args, make_env, seeds)
     rows = []
     for model_name in args.model:
-        sampler, tokenizer = make_sampler(sampler_kind, model_name, args.max_total_tokens, args.vllm_memory)
+        sampler, tokenizer = make_sampler(
+            sampler_kind, model_name, args.max_total_tokens, args.vllm_memory
+        )
         for setting in settings:
             for temperature in args.temperature:
                 samples = args.samples if temperature > 0 else 1
                 label = f"{model_name} | {setting} | temperature {temperature}"
                 print(f"{label} | {len(seeds)} seeds x {samples}")
-                row = evaluate(sampler, tokenizer, lambda: SETTINGS[setting](make_env()), seeds, samples, temperature,
-                               args.max_new_tokens, args.max_total_tokens, args.seeds_per_batch,
-                               save_as=args.trajectories and (args.trajectories, label))
+                row = evaluate(
+                    sampler, tokenizer, lambda: SETTINGS[setting](make_env()), seeds, samples,
+                    temperature, args.max_new_tokens, args.max_total_tokens, args.seeds_per_batch,
+                    save_as=args.trajectories and (args.trajectories, label),
+                )
                 rows.append({"model": model_name, "setting": setting, "temp": temperature, **row})
-        del sampler  # free the model (or the vLLM engine's memory) before the next one loads
+        del sampler  # free the model (or vLLM's memory) before the next one loads
         gc.collect()
     print(format_table(rows))
     if args.json:
