@@ -511,8 +511,8 @@ class SyntheticQAEnv(ToolEnv):
             return f"<think>{thought}</think>\n" if self.require_think else ""
 
         def search(entity):
-            query = format_tool_call("search", {"query": entity})
-            return think(f"I need the facts about {entity}.") + query
+            call = format_tool_call("search", {"query": entity})
+            return think(f"I need the facts about {entity}.") + call
 
         def answer(entity):
             return think(f"The answer is {entity}.") + f"<answer>{entity}</answer>"

@@ -150,7 +150,7 @@ def kl_estimate(logprobs, ref_logprobs, mask, kind="k3"):
 # Reward placement
 
 def last_agent_positions(action_mask):
-    """Per row, the index of each agent segment's (run of 1s') last token."""
+    """Per row, the index of the last token of each agent segment (a run of 1s)."""
     mask = action_mask.bool()  # (B, T)
     next_is_agent = torch.zeros_like(mask)
     next_is_agent[:, :-1] = mask[:, 1:]
@@ -161,7 +161,7 @@ def last_agent_positions(action_mask):
 def place_rewards(turn_rewards, turn_end_positions, action_mask):
     """Scatter per-turn rewards onto a (B, T) token-reward tensor: turn_rewards[b][k]
     lands on turn_end_positions[b][k], turn k's last agent token (the final turn's reward
-    holds the outcome), or if that is an env token on the nearest agent token before it."""
+    holds the outcome), or, if that is an env token, on the nearest agent token before it."""
     B, T = action_mask.shape
     assert len(turn_rewards) == len(turn_end_positions) == B, (
         "need one list of rewards and positions per row"

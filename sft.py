@@ -126,7 +126,8 @@ def warm_up(
     assert hasattr(env_class, "demonstration"), (
         f"--env {env_name} has no demonstrations: pass --warmup_steps 0"
     )
-    # The key names the model (a tiny one by its recipe), not its path: a moved cache holds.
+    # The key names the model (a tiny one by its recipe), not its path: moving the cache
+    # must not retrain.
     resolved = resolve_model_path(model_name)
     model_key = Path(resolved).name if model_name in TINY_MODELS else str(model_name)
     settings = dict(

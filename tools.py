@@ -85,11 +85,11 @@ UNCLOSED = f"unclosed {OPEN_TAG}: no {CLOSE_TAG} follows it (was the output cut 
 def parse_tool_calls(text: str, tool_names=None, max_calls: int = 4) -> list[ToolCall]:
     """Every <tool_call>{json}</tool_call> block in `text`, in order, bad ones with
     `error` set. As strict as vLLM's Hermes parser, which serves the agent: a block ends
-    at the first </tool_call> and holds only JSON shaped {"name": str, "arguments":
-    {...}}. A server runs no call of a turn with a malformed block, nor do we: RL learns
-    what a stray block costs. Stricter: "arguments" must be an object (vLLM passes a
-    string on), and an unclosed last block is an error. Calls past `max_calls` are
-    dropped, with one error entry."""
+    at the first </tool_call> and holds only JSON shaped
+    {"name": str, "arguments": {...}}. A server runs no call of a turn with a malformed
+    block, nor do we: RL learns what a stray block costs. Stricter: "arguments" must be
+    an object (vLLM passes a string on), and an unclosed last block is an error. Calls
+    past `max_calls` are dropped, with one error entry."""
     calls, position = [], 0
     while (start := text.find(OPEN_TAG, position)) != -1:
         close = text.find(CLOSE_TAG, start)
