@@ -555,8 +555,8 @@ def lookup_tool(facts: list[tuple[str, str, str]]) -> tools.Tool:
 
 
 class CalculatorEnv(ToolEnv):
-    """Two-step word problems with 3-4 digit numbers and the `calculator` tool. The
-    integer answer is scored by exact match (normalisation drops a thousands comma)."""
+    """Two-step word problems with 3-4 digit numbers and the `calculator` tool; the
+    integer answer scored by exact match (normalising drops a thousands comma)."""
     system_prompt = (
         "Solve the problem. Use the calculator tool for the arithmetic, then give the "
         "number as <answer>...</answer>."
@@ -617,8 +617,9 @@ class ComputeEnv(ToolEnv):
         "Answer the question. Run a short Python program with the python tool that prints "
         "the result, then give the number as <answer>...</answer>."
     )
-    # A call carries its program (96 tokens); copying a long number takes 4 layers, not 2,
-    # steady at half the main job's rate; 0.85 leaves a weak agent (docs/results.md).
+    # A call carries its program (96 tokens). Copying long numbers takes 4 layers, not 2,
+    # which learn steadily at half the main job's rate; 0.85 leaves a weak agent
+    # (docs/results.md).
     train_defaults = {
         "max_new_tokens": 96, "model": "tiny-deep", "lr": 5e-4, "warmup_mistake_rate": 0.85,
     }

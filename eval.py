@@ -7,7 +7,7 @@ Evaluate trained agents, run the papers' baselines, and chat with an agent in th
         --n 512 --baselines --json results.json
     python eval.py --model runs/grpo/step_000200 --env calculator \
         --temperature 0 1.0 --samples 8   # + pass@1..8
-    python eval.py --chat --model tiny --env synthetic_qa --seed 3   # Ctrl-D or "exit" leaves
+    python eval.py --chat --model tiny --env synthetic_qa --seed 3   # Ctrl-D or "exit" ends
 
 Evaluation. rollout.rollout, training's loop, plays held-out seeds (envs.eval_seeds;
 rows of --split for search_qa). Each (model, setting, temperature) is a row of the

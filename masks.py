@@ -35,10 +35,10 @@ are named apart because they answer different questions.
 **Reward placement.** A turn's reward goes on the last token the agent wrote in it, the
 final reward on the trajectory's last agent token (token 9 above). Never on an env
 token: every estimator reads rewards only where the mask is 1, so it would be silently
-lost. The trap is a trajectory that *ends* on a tool response (max_turns hit right
-after a call, or truncation): "reward on the last token" would drop it. `place_rewards`
-moves such positions back to the nearest preceding agent token, and the estimators
-assert that no reward is left off the mask.
+lost. The trap is a trajectory that *ends* on a tool response (max_turns right after
+a call, or truncation): "reward on the last token" would drop it. `place_rewards` moves
+such positions back to the nearest agent token before them, and the estimators assert
+that no reward is left off the mask.
 
 Also here: the masked reductions the loss needs (aggregation modes, KL estimators),
 `collate` (trajectories -> (B, T) tensors, masks and placed rewards included) and the
@@ -62,7 +62,7 @@ def masked_sum(values, mask, dim=None):
 
 
 def masked_mean(values, mask, dim=None):
-    """Mean of values where mask is 1 (over everything, or along dim). An empty mask gives 0."""
+    """Mean of values where mask is 1 (over all, or along dim); 0 for an empty mask."""
     count = mask.sum() if dim is None else mask.sum(dim)
     return masked_sum(values, mask, dim) / count.clamp(min=1)
 
@@ -98,14 +98,14 @@ def explained_variance(values, returns, mask, global_sum=None):
 def aggregate_loss(loss_per_token, mask, mode, norm_constant=None, global_sum=None):
     """
     A (B, T) per-token loss -> a scalar over the masked tokens. Modes:
-      "token-mean"               every agent token in the batch weighs the same (DAPO);
-                                 long trajectories made more decisions and count more.
-      "seq-mean-token-mean"      mean over each trajectory's tokens, then over
-                                 trajectories (original GRPO): a token in a long one
-                                 weighs less, the length bias Dr.GRPO points out.
-      "seq-mean-token-sum-norm"  each trajectory's token sum over a constant
-                                 (norm_constant, default T), then the mean (Dr.GRPO):
-                                 one token weight, which does not move with the batch.
+      "token-mean": every agent token in the batch weighs the same (DAPO); long
+        trajectories made more decisions and count more.
+      "seq-mean-token-mean": mean over each trajectory's tokens, then over trajectories
+        (original GRPO): a token in a long one weighs less, the length bias Dr.GRPO
+        points out.
+      "seq-mean-token-sum-norm": each trajectory's token sum over a constant
+        (norm_constant, default T), then the mean (Dr.GRPO): one token weight, which
+        does not move with the batch.
     With the batch split over ranks, global_sum counts the whole batch's tokens (or
     trajectories): each rank's result is its share of the batch's loss.
     """

@@ -182,8 +182,8 @@ def run_tool_call(
     call: ToolCall, tools: dict[str, Tool], timeout_s=5.0, max_output_chars=2000
 ) -> tuple[str, bool]:
     """Executes one parsed call: (observation for the model, ok). ok is False when the call
-    failed (parse error, unknown tool, bad arguments, exception, timeout); a tool's own
-    error answer has ok=True (the calculator's "division by zero")."""
+    failed (parse error, unknown tool, bad arguments, exception, timeout), True for a
+    tool's own error answer (the calculator's "division by zero")."""
     return run_tool_calls([call], [tools], timeout_s, max_output_chars)[0]
 
 
@@ -311,7 +311,7 @@ def _evaluate(node):
 
 
 def calculate(expression: str) -> str:
-    """Evaluates an arithmetic expression: the result or an "Error: ..." text. Never raises."""
+    """An arithmetic expression's value as text, or an "Error: ..." text; never raises."""
     if len(expression) > MAX_EXPRESSION_CHARS:
         return f"Error: expression too long (at most {MAX_EXPRESSION_CHARS} characters)"
     # Models write math symbols too; ^ means power in math (in Python, XOR).
