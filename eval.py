@@ -117,15 +117,15 @@ class BaselineEnv:
         self.env, self.retrieve, self.max_turns = env, retrieve, 1
 
     def reset(self, seed: int, episode: int = 0) -> tuple[list[dict], list[dict]]:
-        """The env's episode for `seed`, with a tool-free prompt (naive RAG: and passages)."""
+        """The env's episode for `seed`, with a tool-free prompt (for naive RAG, passages)."""
         self.env.reset(seed, episode)
         question = self.env.question
         if self.retrieve:
             assert "search" in self.env.tools, (
                 f"naive RAG needs a search tool, {type(self.env).__name__} has none"
             )
-            search = tools.ToolCall("search", {"query": question})
-            passages, _ = tools.run_tool_call(search, self.env.tools)
+            call = tools.ToolCall("search", {"query": question})
+            passages, _ = tools.run_tool_call(call, self.env.tools)
             question = f"Passages:\n{passages}\n\nQuestion: {question}"
         # From here a tool call is invalid (unknown tool), and the first turn the last.
         self.env.tools, self.env.max_turns = {}, 1
@@ -181,8 +181,8 @@ def chat(
     sampler, tokenizer, env, seed=0, max_turns=4, max_new_tokens=256, max_total_tokens=4096,
     temperature=0.0, read=input, write=print, color=False,
 ):
-    """The chat above, until read() raises EOFError (Ctrl-D) or returns "exit"/"quit". Any
-    sampler with generate() (tests script one)."""
+    """The module docstring's chat, until read() raises EOFError (Ctrl-D) or returns
+    "exit"/"quit". Any sampler with generate() (tests script one)."""
     agent_color, env_color, plain = (AGENT_COLOR, ENV_COLOR, RESET) if color else ("", "", "")
     messages, tool_schemas = env.reset(seed)
     tool_dict = getattr(env, "tools", {})
