@@ -1,39 +1,43 @@
 """
-Serve the policy behind an OpenAI-compatible endpoint, and record what it samples as trajectories.
+Serve the policy behind an OpenAI-compatible endpoint, and record what it samples as
+trajectories.
 
-    python serve.py --model runs/default/step_000100 --port 8000   # Ctrl-C: runs/served/trajectories.jsonl
-    OPENAI_BASE_URL=http://127.0.0.1:8000/v1 OPENAI_API_KEY=none python my_agent.py   # any agent, unchanged
+    python serve.py --model runs/default/step_000100 --port 8000
+    OPENAI_BASE_URL=http://127.0.0.1:8000/v1 OPENAI_API_KEY=none python my_agent.py
+    # any agent, unchanged; Ctrl-C writes runs/served/trajectories.jsonl
 
-Agents are mostly written already, as loops over the `openai` client, so the policy answers
-`POST /v1/chat/completions` and `GET /v1/models`, like AReaL's proxy or Agent Lightning: `tools`,
-`tool_choice`, `temperature`, `top_p`, `max_tokens` (at most --max_new_tokens), `seed`, `stop`
-(cut as vLLM cuts), `logprobs` (the recorded ones), `stream` (the whole reply in OpenAI's chunks);
-other fields are ignored, as OpenAI's and vLLM's servers do, but sampling options the samplers
-cannot honour are refused (NEUTRAL). Hermes `<tool_call>` blocks in a reply come back as OpenAI
-`tool_calls` (tools.parse_tool_calls). tool_choice "required" or a named function forces the
-reply's opening (`<tool_call>\n`, for a name up to its arguments): tokens the sampler continues,
-mask 0. A forced call that still does not parse comes back as text, an invalid call in the turn's
-info. A bad value gets a 400 naming it (OpenAI's error body), whatever fails later a 500. Under
+Agents are mostly written already, as loops over the `openai` client, so the policy
+answers `POST /v1/chat/completions` and `GET /v1/models`, like AReaL's proxy or Agent
+Lightning: `tools`, `tool_choice`, `temperature`, `top_p`, `max_tokens` (at most
+--max_new_tokens), `seed`, `stop` (cut as vLLM cuts), `logprobs` (the recorded ones),
+`stream` (the whole reply in OpenAI's chunks). Other fields are ignored, as OpenAI's and
+vLLM's servers do, but sampling options the samplers cannot honour are refused
+(NEUTRAL). Hermes `<tool_call>` blocks in a reply come back as OpenAI `tool_calls`;
+tool_choice "required" or a named function forces their opening (opening_for). A bad
+value gets a 400 naming it, whatever fails later a 500 (OpenAI's error body). Under
 train.py --agent the trainer's temperature (and top_p 1) win: the update scores at those.
 
-Token in, token out through a text API: encoding the request's text again would not give the sampled tokens
-(rollout.py's docstring). So each conversation keeps its tokens (a rollout.Trajectory); a request whose messages
-extend a conversation's history continues it: the turns sampled stay as sampled, with their log-probs (mask 1),
-and only the new messages are encoded, as rollout() encodes observations (mask 0). A history that does not
-extend one (edited, summarised, an assistant turn the client wrote) starts a new segment: a new trajectory with
-the whole history as its prompt, info["segment"] counting up.
+Token in, token out through a text API: encoding the request's text again would not
+give the sampled tokens (rollout.py's docstring). So each conversation keeps its tokens
+(a rollout.Trajectory); a request whose messages extend a conversation's history
+continues it: the turns sampled stay as sampled, with their log-probs (mask 1), and
+only the new messages are encoded, as rollout() encodes observations (mask 0). A
+history that does not extend one (edited, summarised, an assistant turn the client
+wrote) starts a new segment: a new trajectory with the whole history as its prompt,
+info["segment"] counting up.
 
-Batching: the sampler thread waits `window_s` after a turn arrives; the turns that came meanwhile (64 agents
-sending tool results) share one sampler.generate, rollout()'s lockstep, and those that come during it the next.
+Batching: the sampler thread waits `window_s` after a turn arrives; the turns that came
+meanwhile (64 agents sending tool results) share one sampler.generate, rollout()'s
+lockstep, and those that come during it the next.
 
-Episodes (train.py --agent): `play` runs the user's program once per episode with its own base URL
-($OPENAI_BASE_URL = .../episodes/<id>/v1), the task seed ($NANOAGENT_TASK_SEED) and the episode's id
-($NANOAGENT_EPISODE_ID) in its environment. Its last line of output is its reward: {"reward": 1.0, "success":
-true}, put on the last token of each of its segments. A program that crashes, hangs past the time-out (killed)
-or reports no reward loses its group for the step, and the log says why (with the requests refused).
-Each runs in a session of its own, killed as a group when it ends; a tail of its output is kept. Its
-episode ends with it: a late request gets a 404, a queued turn is dropped, and play returns once no
-batch holding its turns is being sampled: nothing is sampled during the update.
+Episodes (train.py --agent): `play` runs the user's program once per episode, in a
+session of its own, with its own base URL ($OPENAI_BASE_URL = .../episodes/<id>/v1),
+the task seed ($NANOAGENT_TASK_SEED) and the episode's id ($NANOAGENT_EPISODE_ID) in
+its environment. Its last line of output is its reward, {"reward": 1.0, "success":
+true}, put on the last token of each of its segments. A program that crashes, hangs
+past the time-out or reports no reward loses its group for the step; the log says why.
+When it ends, its process group is killed and its episode closed: a late request gets a
+404, a queued turn is dropped, and nothing is sampled during the update.
 """
 
 import argparse
@@ -65,20 +69,23 @@ ROLES = ("system", "user", "assistant", "tool")
 
 
 class RequestError(ValueError):
-    """A request the endpoint refuses: its HTTP status, OpenAI's error fields (the field at fault, a code)."""
+    """A refused request: its HTTP status, OpenAI's error fields (the field at fault, a code)."""
 
     def __init__(self, message, param=None, code="invalid_value", status=400):
         super().__init__(message)
         self.param, self.code, self.status = param, code, status
 
 
-# Options the samplers cannot honour: refused unless absent or neutral, never silently ignored.
-NEUTRAL = {"n": 1, "presence_penalty": 0, "frequency_penalty": 0, "repetition_penalty": 1,
-           "logit_bias": {}, "top_k": -1, "min_p": 0, "best_of": 1, "top_logprobs": 0}
+# Options the samplers cannot honour: refused unless absent or neutral.
+NEUTRAL = {
+    "n": 1, "presence_penalty": 0, "frequency_penalty": 0, "repetition_penalty": 1,
+    "logit_bias": {}, "top_k": -1, "min_p": 0, "best_of": 1, "top_logprobs": 0,
+}
 
 
 def checked(body, field, default, low, high, kind=(int, float)):
-    """body[field] if a `kind` (a bool is not a number) in [low, high]; `default` if absent or null."""
+    """body[field] if a `kind` (a bool is not a number) in [low, high]; `default` if
+    absent or null."""
     value = body.get(field)
     if value is None:
         return default
@@ -89,11 +96,14 @@ def checked(body, field, default, low, high, kind=(int, float)):
 
 
 def read_options(body, max_new_tokens):
-    """The request's sampling options, checked: (max new tokens, temperature, top_p, seed, stop)."""
+    """The request's sampling options, checked: (max new tokens, temperature, top_p,
+    seed, stop)."""
     for field, neutral in NEUTRAL.items():
         if body.get(field) not in (None, neutral):
-            raise RequestError(f"{field}={body[field]!r}: the samplers here cannot honour it "
-                               f"(only {neutral!r})", field, "unsupported_value")
+            raise RequestError(
+                f"{field}={body[field]!r}: the samplers here cannot honour it (only {neutral!r})",
+                field, "unsupported_value",
+            )
     limit = checked(body, "max_tokens", max_new_tokens, 1, math.inf, int)
     limit = min(max_new_tokens, checked(body, "max_completion_tokens", limit, 1, math.inf, int))
     temperature = checked(body, "temperature", 1.0, 0, 2)
@@ -107,8 +117,10 @@ def read_options(body, max_new_tokens):
 
 
 def opening_for(tool_choice, tool_schemas):
-    """The text tool_choice makes a reply open with: "" for "auto" and "none", a tool call's opening
-    for "required", and up to the arguments for a named function."""
+    """The text tool_choice makes a reply open with: "" for "auto" and "none", a tool
+    call's opening for "required", up to the arguments for a named function. The
+    sampler continues it (mask 0); a forced call that still does not parse comes back as
+    text, an invalid call in the turn's info."""
     names = [schema.get("function", {}).get("name") for schema in tool_schemas]
     if tool_choice in (None, "auto", "none"):
         return ""
@@ -116,54 +128,69 @@ def opening_for(tool_choice, tool_schemas):
     if tool_choice == "required" and names or name in names and name is not None:
         named = f'{{"name": {json.dumps(name)}, "arguments": ' if name else ""
         return f"{tools.OPEN_TAG}\n{named}"
-    raise RequestError(f"tool_choice={tool_choice!r}: must be 'auto', 'none', 'required' or a "
-                       "tool of tools as {'type': 'function', 'function': {'name': NAME}}",
-                       "tool_choice")
+    raise RequestError(
+        f"tool_choice={tool_choice!r}: must be 'auto', 'none', 'required' or a tool of tools as "
+        "{'type': 'function', 'function': {'name': NAME}}", "tool_choice",
+    )
 
 
 def read_messages(messages):
-    """The messages as the chat template takes them ({"role", "content", "tool_calls": [{"name", "arguments":
-    {...}}]}), checked: known roles, and a tool message answers a call of the assistant turn before it."""
+    """The messages as the chat template takes them ({"role", "content", "tool_calls":
+    [{"name", "arguments": {...}}]}), checked: known roles, and a tool message answers a
+    call of the assistant turn before it."""
     if not isinstance(messages, list) or not messages:
         raise RequestError("'messages' must be a non-empty list", "messages")
     read, call_ids = [], set()
     for index, message in enumerate(messages):
         role = message.get("role") if isinstance(message, dict) else None
         if role not in ROLES:
-            raise RequestError(f"messages[{index}]: unknown role {role!r}; "
-                               f"this endpoint knows {', '.join(ROLES)}", "messages")
+            raise RequestError(
+                f"messages[{index}]: unknown role {role!r}; "
+                f"this endpoint knows {', '.join(ROLES)}", "messages"
+            )
         content = message.get("content") or ""
         if isinstance(content, list) and all(
-                isinstance(part, dict) and part.get("type") == "text"
-                and isinstance(part.get("text"), str) for part in content):
+            isinstance(part, dict) and part.get("type") == "text"
+            and isinstance(part.get("text"), str) for part in content
+        ):
             content = "".join(part["text"] for part in content)  # text parts, as smolagents sends
         if not isinstance(content, str):
-            raise RequestError(f"messages[{index}]: content must be a string or text parts "
-                               "(this endpoint reads text only)", "messages")
+            raise RequestError(
+                f"messages[{index}]: content must be a string or text parts "
+                "(this endpoint reads text only)", "messages"
+            )
         read.append({"role": role, "content": content})
         if role == "assistant":
             try:
-                calls = [(call.get("id"), {"name": call["function"]["name"],
-                                           "arguments": json.loads(call["function"]["arguments"])})
-                         for call in message.get("tool_calls") or []]
+                calls = [
+                    (call.get("id"), {
+                        "name": call["function"]["name"],
+                        "arguments": json.loads(call["function"]["arguments"])
+                    })
+                    for call in message.get("tool_calls") or []
+                ]
             except (KeyError, TypeError, AttributeError, ValueError) as problem:
-                raise RequestError(f"messages[{index}]: malformed tool_calls ({problem!r})",
-                                   "messages") from problem
+                raise RequestError(
+                    f"messages[{index}]: malformed tool_calls ({problem!r})", "messages"
+                ) from problem
             read[-1].update({"tool_calls": [call for _, call in calls]} if calls else {})
             call_ids = {call_id for call_id, _ in calls}
         if role == "tool" and message.get("tool_call_id") not in call_ids:
-            raise RequestError(f"messages[{index}]: tool message with tool_call_id {message.get('tool_call_id')!r} "
-                               "answers no tool call of the assistant turn before it", "messages")
+            raise RequestError(
+                f"messages[{index}]: tool message with tool_call_id "
+                f"{message.get('tool_call_id')!r} answers no tool call of the assistant turn "
+                "before it", "messages",
+            )
     return read
 
 
 @dataclass
 class Conversation:
     episode: str  # the episode's id from the URL ("" outside training)
-    keys: list[str]  # its tools, then its messages so far as JSON, the last reply included: what a request extends
+    keys: list[str]  # what a request extends: its tools, messages, last reply, as JSON
     trajectory: rollout.Trajectory
-    closing: list[int]  # the <|im_end|> that a turn cut by max_tokens lacks, written before the next message
-    busy: bool = True  # a turn of it is being sampled: a concurrent request cannot extend it
+    closing: list[int]  # the <|im_end|> a turn cut by max_tokens lacks, before the next
+    busy: bool = True  # a turn of it is being sampled: no request can extend it
 
 
 class Turn(NamedTuple):
@@ -178,29 +205,33 @@ class Turn(NamedTuple):
 
 
 class Server:
-    """The endpoint: the sampler and its batching thread, the conversations being recorded, the HTTP server."""
+    """The endpoint: the sampler, its thread, the conversations, the HTTP server."""
 
-    def __init__(self, sampler, tokenizer, max_new_tokens, max_total_tokens, temperature=None, window_s=0.05,
-                 model_name="nanoagent", host="127.0.0.1", port=0):
+    def __init__(
+        self, sampler, tokenizer, max_new_tokens, max_total_tokens, temperature=None,
+        window_s=0.05, model_name="nanoagent", host="127.0.0.1", port=0,
+    ):
         self.sampler, self.tokenizer, self.model_name = sampler, tokenizer, model_name
-        self.max_new_tokens, self.max_total_tokens, self.window_s = max_new_tokens, max_total_tokens, window_s
-        # None: the request's temperature and top_p; train.py's: the temperature it trains at, top_p 1
-        self.temperature = temperature
+        self.max_new_tokens, self.max_total_tokens, self.window_s = (
+            max_new_tokens, max_total_tokens, window_s)
+        self.temperature = temperature  # None: the request's; train.py's wins
         self.end_of_turn = tokenizer.convert_tokens_to_ids(rollout.END_OF_TURN)
-        self.stop_token_ids = [tokenizer.convert_tokens_to_ids(token) for token in rollout.STOP_TOKENS]
+        self.stop_token_ids = [
+            tokenizer.convert_tokens_to_ids(token) for token in rollout.STOP_TOKENS
+        ]
         self.conversations, self.lock, self.turns = [], threading.Lock(), queue.Queue()  # of Turn
-        # play's running episodes, {id: (its step's sampling seed, its key)}, and its calls so far.
+        # play's running episodes, {id: (its step's sampling seed, its key)}; its calls
         self.episodes, self.plays = {}, 0
-        self.refusals = {}  # play's episodes' refused requests, {id: ["400 why", ...]}, for its log
-        self.sampling = threading.Lock()  # held by the sampler thread while it samples a batch
+        self.refusals = {}  # their refused requests, {id: ["400 why", ...]}, for its log
+        self.sampling = threading.Lock()  # held while the sampler thread samples a batch
         self.http = HTTPServer((host, port), Handler)
         self.http.endpoint, self.url = self, f"http://{host}:{self.http.server_address[1]}"
         threading.Thread(target=self.sample_batches, daemon=True).start()
         threading.Thread(target=self.http.serve_forever, daemon=True).start()
 
     def sample_batches(self):
-        """The sampler thread: turns that arrive within window_s of the first share a generate (per
-        temperature and top_p). A failure fails those requests, never the thread."""
+        """The sampler thread: turns that arrive within window_s of the first share a
+        generate. A failure fails those requests, never the thread."""
         while True:
             batch, deadline = [self.turns.get()], time.monotonic() + self.window_s
             while (left := deadline - time.monotonic()) > 0:
@@ -208,12 +239,12 @@ class Server:
                     batch.append(self.turns.get(timeout=left))
                 except queue.Empty:
                     break
-            with self.sampling:  # play waits for it: once play returns, its turns are not sampled
+            with self.sampling:  # play waits for it: then its turns are never sampled
                 with self.lock:
                     closed = [turn for turn in batch if not self.is_open(turn.episode)]
                 for turn in closed:
-                    turn.done.set_exception(RequestError(f"episode {turn.episode!r} ended",
-                                                         code="episode_closed", status=404))
+                    turn.done.set_exception(RequestError(
+                        f"episode {turn.episode!r} ended", code="episode_closed", status=404))
                 self.sample([turn for turn in batch if turn not in closed])
 
     def sample(self, batch):
@@ -224,30 +255,34 @@ class Server:
                 generations = self.sampler.generate(
                     [row.prompt for row in rows], [row.limit for row in rows],
                     temperature=options[0], top_p=options[1],
-                    stop_token_ids=self.stop_token_ids, seed=[row.seed for row in rows])
+                    stop_token_ids=self.stop_token_ids, seed=[row.seed for row in rows],
+                )
                 for row, generation in zip(rows, generations):
                     row.done.set_result(generation)
-            except Exception as problem:  # those requests fail with it (a 500), the thread goes on
+            except Exception as problem:  # a 500 for those requests; the thread goes on
                 for row in rows:
                     row.done.set_exception(problem)
 
     def is_open(self, episode):
-        """Play's episodes (ids "<its call>.<index>") are served while they run, other ids always."""
+        """Play's episodes (ids "<its call>.<index>") are served while they run, other
+        ids always."""
         call = episode.split(".")[0]
         return episode in self.episodes or not call.isdigit() or int(call) > self.plays
 
     def conversation_for(self, episode, keys, messages):
-        """The idle conversation of `episode` (the longest) whose history `keys` extends by messages
-        that are not assistant turns, else a new one (the episode's next segment); marked busy. A new
-        one is registered before its turn is sampled: concurrent first requests of an episode get
-        segments, so seeds, of their own."""
+        """The idle conversation of `episode` (the longest) whose history `keys` extends
+        by messages that are not assistant turns, else a new one (its next segment),
+        registered at once: concurrent first requests get segments, so seeds, of their
+        own. Marked busy."""
         with self.lock:
-            if not self.is_open(episode):  # a killed program's late request, or a stranger's
-                raise RequestError(f"episode {episode!r} is not running", code="episode_closed",
-                                   status=404)
-            matches = [c for c in self.conversations if c.episode == episode and not c.busy
-                       and len(keys) > len(c.keys) and keys[:len(c.keys)] == c.keys
-                       and all(m["role"] != "assistant" for m in messages[len(c.keys) - 1:])]
+            if not self.is_open(episode):  # a killed program's late request
+                raise RequestError(
+                    f"episode {episode!r} is not running", code="episode_closed", status=404)
+            matches = [
+                c for c in self.conversations if c.episode == episode and not c.busy
+                and len(keys) > len(c.keys) and keys[:len(c.keys)] == c.keys
+                and all(m["role"] != "assistant" for m in messages[len(c.keys) - 1:])
+            ]
             conversation = max(matches, key=lambda c: len(c.keys), default=None)
             if conversation is None:
                 segment = sum(c.episode == episode for c in self.conversations)
@@ -261,9 +296,9 @@ class Server:
             return conversation
 
     def complete(self, episode, body):
-        """One chat completion: the OpenAI response body. The turn is recorded in its conversation."""
+        """One chat completion, recorded in its conversation: OpenAI's response body."""
         limit, temperature, top_p, seed, stop = read_options(body, self.max_new_tokens)
-        if self.temperature is not None:  # the trainer's sampling settings win
+        if self.temperature is not None:
             temperature, top_p = self.temperature, 1.0
         messages, tool_schemas = read_messages(body.get("messages")), body.get("tools") or []
         if not isinstance(tool_schemas, list) or not all(isinstance(s, dict) for s in tool_schemas):
@@ -278,65 +313,76 @@ class Server:
                 new_messages = messages[len(conversation.keys) - 1:]
                 observation = rollout.observation_tokens(self.tokenizer, new_messages)
                 new_tokens = conversation.closing + observation
-            else:  # a new conversation, or a new segment of the episode: the whole history is its prompt
+            else:  # a new conversation or segment: the history is its prompt
                 new_messages = messages
-                new_tokens = rollout.encode_chat(self.tokenizer, messages, tool_schemas,
-                                                 add_generation_prompt=True)
+                new_tokens = rollout.encode_chat(
+                    self.tokenizer, messages, tool_schemas, add_generation_prompt=True)
                 trajectory.prompt_length = len(new_tokens)
-            # A forced opening is not the policy's choice (mask 0); the sampler continues from it.
+            # A forced opening is not the policy's choice (mask 0)
             new_tokens = new_tokens + rollout.encode_text(self.tokenizer, opening)
             length = len(trajectory.token_ids) + len(new_tokens)
             if length >= self.max_total_tokens:
-                raise RequestError(f"the conversation is {length} tokens, the context budget "
-                                   f"{self.max_total_tokens}", "messages",
-                                   "context_length_exceeded")
+                raise RequestError(
+                    f"the conversation is {length} tokens, the context budget "
+                    f"{self.max_total_tokens}", "messages", "context_length_exceeded",
+                )
             if seed is None:
-                seed = rollout.sample_seed_for(*self.episodes.get(episode, (0, episode)),
-                                               trajectory.info["segment"], trajectory.num_turns)
+                seed = rollout.sample_seed_for(
+                    *self.episodes.get(episode, (0, episode)),
+                    trajectory.info["segment"], trajectory.num_turns
+                )
             limit = min(limit, self.max_total_tokens - length)
             done = Future()
-            self.turns.put(Turn(trajectory.token_ids + new_tokens, limit, temperature, top_p, seed,
-                                episode, done))
+            self.turns.put(Turn(
+                trajectory.token_ids + new_tokens, limit, temperature, top_p, seed, episode, done))
             generation = done.result()
         except BaseException:
-            with self.lock:  # unchanged: the client may still extend it; a new one is forgotten
+            with self.lock:  # the client may still extend it; a new one is forgotten
                 conversation.busy = False
                 if not trajectory.num_turns and conversation in self.conversations:
                     self.conversations.remove(conversation)
             raise
         message, finish_reason, sampled, logprobs = self.record(
             conversation, new_messages, new_tokens, generation, stop, opening,
-            parse=body.get("tool_choice") != "none")
-        # What the client will send back as this turn: read as read_messages reads it, then.
+            parse=body.get("tool_choice") != "none",
+        )
+        # This turn as the client sends it back, read by read_messages
         conversation.keys = keys + [json.dumps(read_messages([message])[0], sort_keys=True)]
         conversation.busy = False
         wanted = body.get("logprobs")
         pieces = [self.tokenizer.decode([token]) for token in sampled] if wanted else []
-        return {"id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion",
-                "created": int(time.time()), "model": self.model_name,
-                "choices": [{"index": 0, "message": message, "finish_reason": finish_reason,
-                             "logprobs": {"content": [  # the log-probs the trajectory records
-                                 {"token": piece, "logprob": logprob, "bytes": list(piece.encode()),
-                                  "top_logprobs": []} for piece, logprob in zip(pieces, logprobs)]}
-                             if wanted else None}],
-                "usage": {"prompt_tokens": length, "completion_tokens": len(generation.token_ids),
-                          "total_tokens": length + len(generation.token_ids)}}
+        return {
+            "id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion",
+            "created": int(time.time()), "model": self.model_name,
+            "choices": [{
+                "index": 0, "message": message, "finish_reason": finish_reason,
+                "logprobs": {"content": [  # the log-probs the trajectory records
+                    {"token": piece, "logprob": logprob, "bytes": list(piece.encode()),
+                     "top_logprobs": []} for piece, logprob in zip(pieces, logprobs)
+                ]} if wanted else None,
+            }],
+            "usage": {
+                "prompt_tokens": length, "completion_tokens": len(generation.token_ids),
+                "total_tokens": length + len(generation.token_ids)},
+        }
 
     def record(self, conversation, new_messages, new_tokens, generation, stop, opening, parse):
-        """Append the new messages' tokens (mask 0), the sampled turn (mask 1, with its log-probs)
-        to the conversation's trajectory; returns the reply as OpenAI's message (`opening`, then the
-        sampled text), the finish reason, and the sampled text's tokens and log-probs. A stop string
-        cuts the reply as vLLM does: the text before it, the tokens up to the one completing it."""
+        """Append the new messages' tokens (mask 0), the sampled turn (mask 1, with its
+        log-probs) to the trajectory; returns the reply as OpenAI's message (`opening`,
+        then the sampled text), the finish reason, the text's tokens and log-probs. A
+        stop string cuts the reply as vLLM does: the text before it, the tokens up to the
+        one completing it."""
         sampled, conversation.closing = rollout.close_turn(generation, self.end_of_turn)
         text = self.tokenizer.decode(sampled)  # for the client; never encoded again
         if any(string in text for string in stop):
-            end = next(end for end in range(1, len(sampled) + 1)
-                       if any(string in self.tokenizer.decode(sampled[:end]) for string in stop))
+            end = next(end for end in range(1, len(sampled) + 1) if any(
+                string in self.tokenizer.decode(sampled[:end]) for string in stop))
             text = self.tokenizer.decode(sampled[:end])
             text = text[:min(text.index(string) for string in stop if string in text)]
             sampled = sampled[:end]
             generation = Generation(sampled, generation.logprobs[:end], "stop")
-            conversation.closing = [self.end_of_turn]  # the policy did not end its turn: the env does
+            # the policy did not end its turn: the env does
+            conversation.closing = [self.end_of_turn]
         text = opening + text
         trajectory = conversation.trajectory
         rollout.append(trajectory, new_tokens, 0)
@@ -345,30 +391,38 @@ class Server:
         trajectory.turn_rewards.append(0.0)
         trajectory.num_turns += 1
         calls = tools.parse_tool_calls(text) if parse else []
-        trajectory.turn_infos.append({"tool_calls": len(calls), "invalid_calls": sum(bool(c.error) for c in calls),
-                                      "format_error": False, "calls": [asdict(call) for call in calls]})
-        trajectory.messages += new_messages + [{"role": "assistant", "content": text}]  # the turns as sampled
-        reply_tokens = sampled, generation.logprobs[:len(sampled)]  # what the reply's text decodes
-        if not calls or any(call.error for call in calls):  # no call, or a malformed one: the text as it is
+        trajectory.turn_infos.append({
+            "tool_calls": len(calls), "invalid_calls": sum(bool(c.error) for c in calls),
+            "format_error": False, "calls": [asdict(call) for call in calls],
+        })
+        trajectory.messages += new_messages + [{"role": "assistant", "content": text}]
+        reply_tokens = sampled, generation.logprobs[:len(sampled)]  # the text's tokens
+        if not calls or any(call.error for call in calls):  # none, or a malformed one
             finish_reason = "stop" if generation.finish_reason == "stop" else "length"
             return {"role": "assistant", "content": text}, finish_reason, *reply_tokens
-        content = text[:text.index(tools.OPEN_TAG)].strip()  # what precedes the calls, as vLLM's Hermes parser
+        # the text before the calls, as vLLM's Hermes parser
+        content = text[:text.index(tools.OPEN_TAG)].strip()
         return {"role": "assistant", "content": content or None, "tool_calls": [
             {"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
              "function": {"name": call.name, "arguments": json.dumps(call.arguments)}}
-            for call in calls]}, "tool_calls", *reply_tokens
+            for call in calls
+        ]}, "tool_calls", *reply_tokens
 
     def play_one(self, program, episode, group_id, seed, timeout_s):
-        """Run `program` for one episode of task `seed`: the trajectories of its conversations (segments), with
-        the reward it reported, or why it failed (a string). Its conversations are forgotten here either way."""
-        environment = {**os.environ, "OPENAI_BASE_URL": f"{self.url}/episodes/{episode}/v1",
-                       "OPENAI_API_KEY": "nanoagent", "NANOAGENT_TASK_SEED": str(seed), "NANOAGENT_EPISODE_ID": episode}
+        """Run `program` for one episode of task `seed`: its conversations' trajectories
+        (segments), with the reward it reported, or why it failed (a string); forgotten
+        here either way."""
+        environment = {
+            **os.environ, "OPENAI_BASE_URL": f"{self.url}/episodes/{episode}/v1",
+            "OPENAI_API_KEY": "nanoagent", "NANOAGENT_TASK_SEED": str(seed),
+            "NANOAGENT_EPISODE_ID": episode,
+        }
         try:
             returncode, output, errors = run_program(program, environment, timeout_s)
         except OSError as problem:
             return f"could not start: {problem}"
         finally:
-            with self.lock:  # the episode ends: late requests are refused, queued turns dropped
+            with self.lock:
                 del self.episodes[episode]
                 trajectories = [c.trajectory for c in self.conversations
                                 if c.episode == episode and c.trajectory.num_turns]
@@ -381,27 +435,37 @@ class Server:
         except ValueError:
             report = None
         reward = report.get("reward") if isinstance(report, dict) else None
-        reward = float(reward) if isinstance(reward, (int, float)) else None  # a JSON number, as documented
+        reward = float(reward) if isinstance(reward, (int, float)) else None  # a number
         if returncode != 0 or reward is None or not trajectories:
-            why = (f"exit code {returncode}: {errors.strip()[-300:]}" if returncode != 0 else
-                   "no reward reported" if reward is None else "no request of it was answered")
+            why = (
+                f"exit code {returncode}: {errors.strip()[-300:]}" if returncode != 0
+                else "no reward reported" if reward is None
+                else "no request of it was answered"
+            )
             refused = self.refusals[episode]
-            why += f"; {len(refused)} requests refused, the first: {refused[0]}" if refused else ""
+            why += (
+                f"; {len(refused)} requests refused, the first: {refused[0]}" if refused else ""
+            )
             return f"{why}; its last line: {last_line[-200:]!r}"
         for trajectory in trajectories:
             trajectory.turn_rewards[-1] = trajectory.score = reward
             trajectory.group_id, trajectory.seed = group_id, seed
-            trajectory.info.update(success=bool(report.get("success")),
-                                   tool_calls=sum(info["tool_calls"] for info in trajectory.turn_infos),
-                                   invalid_calls=sum(info["invalid_calls"] for info in trajectory.turn_infos))
+            trajectory.info.update(
+                success=bool(report.get("success")),
+                tool_calls=sum(info["tool_calls"] for info in trajectory.turn_infos),
+                invalid_calls=sum(info["invalid_calls"] for info in trajectory.turn_infos),
+            )
         return trajectories
 
     def play(self, program, seeds, group_size, timeout_s, sample_seed=0):
-        """Run `program` (a command line) group_size times for each task seed, all at once; returns the
-        trajectories of the groups whose every member reported a reward, group_id the seed's index."""
-        episodes = [(group_id, seed) for group_id, seed in enumerate(seeds) for _ in range(group_size)]
-        # Episode ids new at each call, so a killed program's late request joins no later episode; sampling seeds
-        # from the step's and the episode's place in it, so a resumed run samples what an unbroken one would.
+        """Run `program` (a command line) group_size times for each task seed, all at
+        once: the trajectories of the groups whose every member reported a reward,
+        group_id the seed's index."""
+        episodes = [(group_id, seed) for group_id, seed in enumerate(seeds)
+                    for _ in range(group_size)]
+        # Episode ids new at each call: a killed program's late request joins no later
+        # episode. Sampling seeds from the step's and the episode's place in it: a resumed
+        # run samples what an unbroken one would.
         self.plays += 1
         ids = [f"{self.plays}.{index}" for index in range(len(episodes))]
         with self.lock:
@@ -410,19 +474,23 @@ class Server:
         with ThreadPoolExecutor(len(episodes)) as pool:
             results = list(pool.map(
                 lambda index: self.play_one(program, ids[index], *episodes[index], timeout_s),
-                range(len(episodes))))
-        with self.sampling:  # a batch holding a killed program's turn ends before the update starts
+                range(len(episodes)),
+            ))
+        with self.sampling:  # a batch holding a killed program's turn ends first
             pass
         dropped = {}
         for (group_id, seed), result in zip(episodes, results):
             if isinstance(result, str):
-                dropped.setdefault(group_id, f"group {group_id} (seed {seed}) dropped: an episode failed ({result})")
+                dropped.setdefault(
+                    group_id,
+                    f"group {group_id} (seed {seed}) dropped: an episode failed ({result})"
+                )
         for why in dropped.values():
             print0(why)
         if len(dropped) == len(seeds):
             raise UserError(f"every group was dropped (the log above says why): {program!r}")
-        return [trajectory for (group_id, _), result in zip(episodes, results) if group_id not in dropped
-                for trajectory in result]
+        return [trajectory for (group_id, _), result in zip(episodes, results)
+                if group_id not in dropped for trajectory in result]
 
     def close(self):
         """Stop answering and free the port."""
@@ -431,10 +499,13 @@ class Server:
 
 
 def run_program(command, environment, timeout_s):
-    """Run a command line in a session (process group) of its own, killed as a group when it ends
-    or times out: (its exit code, None if it timed out; its output's tail; its errors' tail)."""
-    with subprocess.Popen(shlex.split(command), env=environment, stdout=subprocess.PIPE,
-                          stderr=subprocess.PIPE, start_new_session=True) as process:
+    """Run a command line in a session (process group) of its own, killed as a group
+    when it ends or times out: (its exit code, None if it timed out; its output's tail;
+    its errors')."""
+    with subprocess.Popen(
+        shlex.split(command), env=environment, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+        start_new_session=True,
+    ) as process:
         with ThreadPoolExecutor(2) as readers:  # they read until the last of the group is gone
             streams = (process.stdout, process.stderr)
             tails = [readers.submit(read_tail, stream) for stream in streams]
@@ -450,7 +521,8 @@ def run_program(command, environment, timeout_s):
 
 
 def read_tail(stream, keep=8192):
-    """The last `keep` bytes of a stream read to its end: a program may print without bound."""
+    """The last `keep` bytes of a stream read to its end: a program may print without
+    bound."""
     tail = b""
     while chunk := stream.read(65536):
         tail = (tail + chunk)[-keep:]
@@ -458,33 +530,36 @@ def read_tail(stream, keep=8192):
 
 
 class HTTPServer(ThreadingHTTPServer):
-    request_queue_size = 1024  # connections waiting to be accepted: 64 agents connect at once (the default is 5)
+    request_queue_size = 1024  # 64 agents connect at once (the default is 5)
 
 
 class Handler(BaseHTTPRequestHandler):
-    """HTTP for the Server at self.server.endpoint: /v1/... or /episodes/<id>/v1/... (an episode's own URL)."""
+    """HTTP for the Server at self.server.endpoint: /v1/... or an episode's
+    /episodes/<id>/v1/..."""
     protocol_version = "HTTP/1.1"  # keep-alive: the openai client reuses its connections
 
     def route(self):
-        """(episode id, the path after /v1): ("7", "/chat/completions") for /episodes/7/v1/chat/completions."""
+        """(episode id, the path after /v1): ("7", "/models") for /episodes/7/v1/models."""
         match = re.fullmatch(r"(?:/episodes/([^/]+))?/v1(/[\w/]*?)/?(?:\?.*)?", self.path)
         return (match[1] or "", match[2]) if match else ("", "")
 
     def do_GET(self):
         if self.route()[1] != "/models":
             return self.send_json(404, error(f"no route GET {self.path}", code="not_found"))
-        self.send_json(200, {"object": "list", "data": [{"id": self.server.endpoint.model_name, "object": "model",
-                                                          "created": 0, "owned_by": "nanoagent"}]})
+        self.send_json(200, {"object": "list", "data": [{
+            "id": self.server.endpoint.model_name, "object": "model", "created": 0,
+            "owned_by": "nanoagent",
+        }]})
 
     def do_POST(self):
         episode, path = self.route()
         try:
-            try:  # the body is read whole first: the connection stays usable whatever it holds
+            try:  # read whole first: the connection stays usable whatever it holds
                 body = self.rfile.read(max(0, int(self.headers.get("Content-Length") or 0)))
                 request = json.loads(body.decode())
-            except ValueError as problem:  # no length, not UTF-8 (a UnicodeDecodeError), not JSON
-                raise RequestError(f"the body is not UTF-8 JSON: {problem}",
-                                   code="invalid_json") from problem
+            except ValueError as problem:  # no length, not UTF-8, not JSON
+                raise RequestError(
+                    f"the body is not UTF-8 JSON: {problem}", code="invalid_json") from problem
             if path != "/chat/completions":
                 raise RequestError(f"no route POST {self.path}", code="not_found", status=404)
             if not isinstance(request, dict):
@@ -495,7 +570,7 @@ class Handler(BaseHTTPRequestHandler):
         except RequestError as problem:
             status, reply = problem.status, error(str(problem), problem.param, problem.code)
             self.server.endpoint.refusals.get(episode, []).append(f"{status} {problem}")
-        except Exception as problem:  # a bug or a sampler failure: this request fails, the server goes on
+        except Exception as problem:  # a bug or a sampler failure: a 500, the server goes on
             self.log_error("%r", problem)
             reply = error(f"the server failed: {problem!r}", None, "server_error", "server_error")
             status = 500
@@ -506,40 +581,50 @@ class Handler(BaseHTTPRequestHandler):
         data = body if isinstance(body, bytes) else json.dumps(body).encode()
         try:
             self.send_response(status)
-            self.send_header("Content-Type", "text/event-stream" if isinstance(body, bytes)
-                             else "application/json")
+            self.send_header(
+                "Content-Type",
+                "text/event-stream" if isinstance(body, bytes) else "application/json"
+            )
             self.send_header("Content-Length", str(len(data)))
             self.end_headers()
             self.wfile.write(data)
-        except OSError as problem:  # the client left before its reply: its turn stays recorded
+        except OSError as problem:  # the client left: its turn stays recorded
             print0(f"serve: a client left before its reply ({problem!r})")
 
-    def send_error(self, code, message=None, explain=None):  # http.server's own: OpenAI's body too
+    # http.server's own errors, in OpenAI's body too
+    def send_error(self, code, message=None, explain=None):
         self.close_connection = True
         self.send_json(code, error(message or f"HTTP {code}", code="invalid_request"))
 
-    def log_request(self, code="-", size="-"):  # 64 agents' requests would bury the log: errors
+    # 64 agents' requests would bury the log: errors only
+    def log_request(self, code="-", size="-"):
         if str(code).startswith(("4", "5")):
             super().log_request(code, size)
 
 
 def events(completion, include_usage):
-    """A completion as OpenAI streams one (Server-Sent Events of chat.completion.chunk): the reply,
-    its tool calls, the finish reason, the usage if asked, [DONE]. It was sampled whole."""
+    """A completion as OpenAI streams one (Server-Sent Events of chat.completion.chunk),
+    though it was sampled whole: the reply, its tool calls, the finish reason, the usage
+    if asked, [DONE]."""
     [choice], message = completion["choices"], completion["choices"][0]["message"]
     deltas = [{"role": "assistant", "content": message["content"]}]
     if "tool_calls" in message:
-        deltas.append({"tool_calls": [{"index": index, **call}
-                                      for index, call in enumerate(message["tool_calls"])]})
-    chunks = [[{"index": 0, "delta": delta, "finish_reason": None,
-                "logprobs": None if index else choice["logprobs"]}]
-              for index, delta in enumerate(deltas)]
+        deltas.append({"tool_calls": [
+            {"index": index, **call} for index, call in enumerate(message["tool_calls"])
+        ]})
+    chunks = [
+        [{"index": 0, "delta": delta, "finish_reason": None,
+          "logprobs": None if index else choice["logprobs"]}]
+        for index, delta in enumerate(deltas)
+    ]
     chunks.append([{"index": 0, "delta": {}, "finish_reason": choice["finish_reason"]}])
     head = {key: completion[key] for key in ("id", "created", "model")}
     lines = [{**head, "object": "chat.completion.chunk", "choices": choices} for choices in chunks]
     if include_usage:
-        lines.append({**head, "object": "chat.completion.chunk", "choices": [],
-                      "usage": completion["usage"]})
+        lines.append({
+            **head, "object": "chat.completion.chunk", "choices": [],
+            "usage": completion["usage"]
+        })
     return "".join(f"data: {json.dumps(line)}\n\n" for line in lines).encode() + b"data: [DONE]\n\n"
 
 
@@ -549,24 +634,42 @@ def error(message, param=None, code=None, kind="invalid_request_error"):
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(description="Serve a policy behind an OpenAI-compatible endpoint.")
-    parser.add_argument("--model", required=True, help="Hub name, local checkpoint directory or 'tiny'")
-    parser.add_argument("--host", default="127.0.0.1", help="the address to bind (default: this machine only)")
+    parser = argparse.ArgumentParser(
+        description="Serve a policy behind an OpenAI-compatible endpoint."
+    )
+    parser.add_argument(
+        "--model", required=True, help="Hub name, local checkpoint directory or 'tiny'"
+    )
+    parser.add_argument(
+        "--host", default="127.0.0.1", help="the address to bind (default: this machine only)"
+    )
     parser.add_argument("--port", type=int, default=8000)
-    parser.add_argument("--max_new_tokens", type=int, default=256, help="per reply, unless the request says less")
+    parser.add_argument(
+        "--max_new_tokens", type=int, default=256,
+        help="per reply, unless the request says less"
+    )
     parser.add_argument("--max_total_tokens", type=int, default=4096, help="per conversation")
-    parser.add_argument("--out_dir", default="runs/served", help="where the conversations go on Ctrl-C")
+    parser.add_argument(
+        "--out_dir", default="runs/served", help="where the conversations go on Ctrl-C"
+    )
     args = parser.parse_args(argv)
     model, tokenizer = load_model(resolve_model_path(args.model))
-    server = Server(TorchSampler(model), tokenizer, args.max_new_tokens, args.max_total_tokens,
-                    model_name=args.model, host=args.host, port=args.port)
+    server = Server(
+        TorchSampler(model), tokenizer, args.max_new_tokens, args.max_total_tokens,
+        model_name=args.model, host=args.host, port=args.port
+    )
     print(f"serving {args.model} at {server.url}/v1")
     try:
         threading.Event().wait()
     except KeyboardInterrupt:  # each conversation its own group, the report's unit
-        trajectories = [replace(c.trajectory, group_id=group_id) for group_id, c in enumerate(server.conversations)]
+        trajectories = [
+            replace(c.trajectory, group_id=group_id)
+            for group_id, c in enumerate(server.conversations)
+        ]
         Path(args.out_dir).mkdir(parents=True, exist_ok=True)
-        append_jsonl(Path(args.out_dir) / TRAJECTORIES, trajectory_records(trajectories, tokenizer, 0))
+        append_jsonl(
+            Path(args.out_dir) / TRAJECTORIES, trajectory_records(trajectories, tokenizer, 0)
+        )
         print(f"{len(trajectories)} conversations written to {Path(args.out_dir) / TRAJECTORIES}")
 
 
