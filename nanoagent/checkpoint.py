@@ -1,4 +1,5 @@
-"""Checkpoints: the policy (and critic) in HF format plus the trainer state, written so a crash loses nothing.
+"""Checkpoints: the policy (and critic) in HF format plus the trainer state, written
+so a crash loses nothing.
 
     out_dir/
       step_000100/            policy: config.json, model.safetensors, tokenizer files (save_pretrained)
@@ -9,15 +10,18 @@
         trainer_state.pt      step, RNG states, metrics history: the rest of what an exact resume needs
         manifest.json         every file above with its size, written last: the mark of a complete checkpoint
 
-The policy directory is an ordinary HF checkpoint, so `eval.py --model out_dir/step_000100` and vLLM load
-it directly. It is written in the dtype the model came in (bf16 for Qwen2.5: what its users expect, and half
-the size), each tied parameter once; training's fp32 master weights go to optimizer/ with the optimizer states,
-so `--resume` continues from them exactly. Those shards load back on another number of ranks (or into one
-unsharded process).
-A save goes to a temporary directory, is flushed to disk, and only then is renamed into place, so a process
-killed mid-save (or a full disk) leaves the earlier checkpoints as they were. A checkpoint is written while
-training goes on: save_checkpoint takes CPU copies of what it holds (its only time on the training's path) and
-a background thread writes them; the next save and the end of training wait for it (finish_checkpoint).
+The policy directory is an ordinary HF checkpoint, so
+`eval.py --model out_dir/step_000100` and vLLM load it directly. It is written in
+the dtype the model came in (bf16 for Qwen2.5: what its users expect, and half the
+size), each tied parameter once; training's fp32 master weights go to optimizer/
+with the optimizer states, so `--resume` continues from them exactly. Those shards
+load back on another number of ranks (or into one unsharded process).
+A save goes to a temporary directory, is flushed to disk, and only then is renamed
+into place, so a process killed mid-save (or a full disk) leaves the earlier
+checkpoints as they were. A checkpoint is written while training goes on:
+save_checkpoint takes CPU copies of what it holds (its only time on the training's
+path) and a background thread writes them; the next save and the end of training
+wait for it (finish_checkpoint).
 """
 
 import copy
@@ -44,13 +48,15 @@ from nanoagent.parallel import full_state_dict, is_sharded
 
 MANIFEST = "manifest.json"
 SHARD_WRITERS = weakref.WeakKeyDictionary()  # {policy: the dcp writer of its run's optimizer/ shards}
-# torch.distributed.checkpoint warns at every save and load that no process group is up: without torchrun that is
-# the plan (no_dist=True). A filter for good, as the background thread's saves warn after any `with` has ended.
+# torch.distributed.checkpoint warns at every save and load that no process group is
+# up: without torchrun that is the plan (no_dist=True). A filter for good, as the
+# background thread's saves warn after any `with` has ended.
 warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
 
 
 def fsync_tree(directory):
-    """Flush every file and directory under `directory` to disk: a rename is durable only once its data is."""
+    """Flush every file and directory under `directory` to disk: a rename is durable
+    only once its data is."""
     for root, _, files in os.walk(directory):
         for name in files:
             with open(os.path.join(root, name), "rb") as handle:
@@ -61,8 +67,8 @@ def fsync_tree(directory):
 
 
 def temporary_sibling(path, collective=False):
-    """A new empty directory beside `path` to write it in (a killed process's leftovers removed). collective:
-    every rank calls this and gets the one directory rank 0 made."""
+    """A new empty directory beside `path` to write it in (a killed process's leftovers
+    removed). collective: every rank calls this and gets the one directory rank 0 made."""
     tmp = None
     if not collective or dist.get_rank() == 0:
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -85,9 +91,10 @@ def move_into_place(tmp, path):
 
 
 def save_atomically(path, save_fn):
-    """Call save_fn(tmp_dir) on a temporary sibling of `path`, flush it, then rename it to `path`, unless `path`
-    exists: made once, under a lock beside it, so two processes building one cache entry at once (a sweep's runs)
-    neither remove the other's temporary directory nor replace what it loads; the one that waited keeps it."""
+    """Call save_fn(tmp_dir) on a temporary sibling of `path`, flush it, then rename it to
+    `path`, unless `path` exists: made once, under a lock beside it, so two processes
+    building one cache entry at once (a sweep's runs) neither remove the other's temporary
+    directory nor replace what it loads; the one that waited keeps it."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     with open(path.parent / f".{path.name}.lock", "w") as lock:
@@ -111,10 +118,12 @@ def file_sizes(directory):
 
 
 def save_checkpoint(out_dir, step, policy, tokenizer, trainer_state, critic=None, optimizers=None):
-    """Start writing out_dir/step_{step:06d} as the module docstring lays it out; returns a Future for
-    finish_checkpoint. optimizers: {name: (model, optimizer)}. Under a process group every rank calls it (the
-    gathers and the optimizer shards are collective). What the files hold is copied to CPU memory now, so the
-    training that goes on does not change it; rank 0 writes the rest once every rank's shards are written."""
+    """Start writing out_dir/step_{step:06d} as the module docstring lays it out;
+    returns a Future for finish_checkpoint. optimizers: {name: (model, optimizer)}.
+    Under a process group every rank calls it (the gathers and the optimizer shards
+    are collective). What the files hold is copied to CPU memory now, so the
+    training that goes on does not change it; rank 0 writes the rest once every
+    rank's shards are written."""
     out_dir = Path(out_dir)
     path, master = out_dir / f"step_{step:06d}", not is_sharded() or dist.get_rank() == 0
     tmp = temporary_sibling(path, collective=is_sharded())
@@ -123,9 +132,10 @@ def save_checkpoint(out_dir, step, policy, tokenizer, trainer_state, critic=None
     for model, subdirectory, _ in exports:
         if hasattr(model, "peft_config"):  # --lora_rank: the adapter alone too (the export is merged); small
             save_adapter(model, subdirectory / "adapter", master)
-    # The shards are staged in CPU memory now (from a GPU, into pinned buffers the run's writer keeps, far
-    # faster than fresh pageable memory: docs/gpu.md) and written by dcp's own thread, with collectives on a
-    # group of their own: the training's run on the default group meanwhile (two threads' calls on one group
+    # The shards are staged in CPU memory now (from a GPU, into pinned buffers the
+    # run's writer keeps, far faster than fresh pageable memory: docs/gpu.md) and
+    # written by dcp's own thread, with collectives on a group of their own: the
+    # training's run on the default group meanwhile (two threads' calls on one group
     # would interleave).
     if optimizers and policy not in SHARD_WRITERS:  # the run's first save: its writer makes the buffers
         SHARD_WRITERS[policy] = dcp.FileSystemWriter(tmp, cache_staged_state_dict=torch.cuda.is_available())
@@ -168,8 +178,9 @@ def save_checkpoint(out_dir, step, policy, tokenizer, trainer_state, critic=None
 
 
 def finish_checkpoint(saving):
-    """Wait for save_checkpoint's Future (None: nothing to wait for); raise its UserError (a full disk). Every
-    rank calls it: before the next save (one at a time) and at the end of training."""
+    """Wait for save_checkpoint's Future (None: nothing to wait for); raise its
+    UserError (a full disk). Every rank calls it: before the next save (one at a
+    time) and at the end of training."""
     if saving is not None:
         saving.result()
         if is_sharded():
@@ -178,20 +189,22 @@ def finish_checkpoint(saving):
 
 @functools.cache
 def background_group():
-    """A gloo group of every rank for the background saves' collectives (on CPU, whatever the default's backend)."""
+    """A gloo group of every rank for the background saves' collectives (on CPU,
+    whatever the default's backend)."""
     return dist.new_group(backend="gloo")
 
 
 def training_states(optimizers):
-    """{name: {"weights": the fp32 masters, "optimizer": its state}} of {name: (model, optimizer)}, as this rank's
-    shards: what optimizer/ holds."""
+    """{name: {"weights": the fp32 masters, "optimizer": its state}} of {name:
+    (model, optimizer)}, as this rank's shards: what optimizer/ holds."""
     return {name: {"weights": get_model_state_dict(model), "optimizer": get_optimizer_state_dict(model, optimizer)}
             for name, (model, optimizer) in optimizers.items()}
 
 
 def load_training_states(path, optimizers):
-    """Restore the fp32 master weights and the optimizers saved with a checkpoint, resharded to this run's ranks
-    (any number of them). optimizers: {name: (model, optimizer)} as for save_checkpoint, the models sharded."""
+    """Restore the fp32 master weights and the optimizers saved with a checkpoint,
+    resharded to this run's ranks (any number of them). optimizers: {name: (model,
+    optimizer)} as for save_checkpoint, the models sharded."""
     states = training_states(optimizers)
     dcp.load(states, checkpoint_id=Path(path) / "optimizer", no_dist=not is_sharded())  # in place, into the shards
     for name, (model, optimizer) in optimizers.items():
@@ -200,7 +213,8 @@ def load_training_states(path, optimizers):
 
 
 def checkpoint_problem(path):
-    """None if `path` is a complete checkpoint (its manifest lists every file at its size), else what is wrong."""
+    """None if `path` is a complete checkpoint (its manifest lists every file at its
+    size), else what is wrong."""
     manifest = Path(path) / MANIFEST
     if not manifest.exists():
         return "no manifest: the save did not finish"
@@ -218,8 +232,8 @@ def checkpoint_problem(path):
 
 
 def latest_checkpoint(out_dir):
-    """The newest complete step_* directory in out_dir, or None; a partial or corrupted one (a crash, a disk
-    error, a hand edit) is reported and skipped."""
+    """The newest complete step_* directory in out_dir, or None; a partial or
+    corrupted one (a crash, a disk error, a hand edit) is reported and skipped."""
     for path in sorted(Path(out_dir).glob("step_*"), key=lambda path: path.name, reverse=True):
         problem = checkpoint_problem(path)
         if problem is None:

@@ -1,10 +1,12 @@
-"""The few helpers every nanoagent script needs: process setup, seeding and RNG state, printing, shutdown.
+"""The few helpers every nanoagent script needs: process setup, seeding and RNG
+state, printing, shutdown.
 
-A script calls `compute_init()` once at the top and `compute_cleanup()` once at the end, and reports
-bad input by raising `UserError`. Run plainly (`python train.py`) it is one process on the best device;
-under torchrun (`torchrun --nproc_per_node=8 train.py`) it joins the process group (NCCL on GPUs, gloo
-on CPU), so the same script is tested with 2 CPU processes on a laptop and runs on 8 GPUs per node (and
-on several nodes with torchrun's --nnodes) unchanged.
+A script calls `compute_init()` once at the top and `compute_cleanup()` once at the
+end, and reports bad input by raising `UserError`. Run plainly (`python train.py`)
+it is one process on the best device; under torchrun
+(`torchrun --nproc_per_node=8 train.py`) it joins the process group (NCCL on GPUs,
+gloo on CPU), so the same script is tested with 2 CPU processes on a laptop and runs
+on 8 GPUs per node (and on several nodes with torchrun's --nnodes) unchanged.
 """
 
 import datetime
@@ -16,34 +18,40 @@ import torch.distributed as dist
 
 
 class UserError(RuntimeError):
-    """Something the user must fix: a flag, a data file, a directory, a full disk. The scripts print its
-    message and exit with an error status, without a traceback: the message says what to change."""
+    """Something the user must fix: a flag, a data file, a directory, a full disk.
+    The scripts print its message and exit with an error status, without a
+    traceback: the message says what to change."""
 
 
 def get_dist_info():
-    """Return (is_distributed, rank, local_rank, world_size) from torchrun's environment variables."""
+    """Return (is_distributed, rank, local_rank, world_size) from torchrun's
+    environment variables."""
     if all(key in os.environ for key in ("RANK", "LOCAL_RANK", "WORLD_SIZE")):
         return True, int(os.environ["RANK"]), int(os.environ["LOCAL_RANK"]), int(os.environ["WORLD_SIZE"])
     return False, 0, 0, 1
 
 
 def autodetect_device_type():
-    """'cuda' if a GPU is visible, else 'cpu'. (Apple's mps is left out: it has no NCCL/gloo story.)"""
+    """'cuda' if a GPU is visible, else 'cpu'. (Apple's mps is left out: it has no
+    NCCL/gloo story.)"""
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
 def autodetect_dtype(device_type):
-    """The compute dtype: bf16 on GPUs that support it (the dtype Qwen2.5 ships in), float32 everywhere else: on
-    CPU, bf16 matmuls are neither faster nor exact enough for tests that compare log-probs to 1e-4. For testing,
-    NANOAGENT_CPU_BF16=1 takes the GPU's bf16 path on a CPU: torchrun's FSDP2 ranks compute in bf16 (masters
-    stay float32), a sharded run's TorchSampler copy and a vLLM engine sample in bf16."""
+    """The compute dtype: bf16 on GPUs that support it (the dtype Qwen2.5 ships in),
+    float32 everywhere else: on CPU, bf16 matmuls are neither faster nor exact
+    enough for tests that compare log-probs to 1e-4. For testing,
+    NANOAGENT_CPU_BF16=1 takes the GPU's bf16 path on a CPU: torchrun's FSDP2 ranks
+    compute in bf16 (masters stay float32), a sharded run's TorchSampler copy and a
+    vLLM engine sample in bf16."""
     gpu_bf16 = device_type == "cuda" and torch.cuda.is_bf16_supported()
     cpu_bf16 = device_type == "cpu" and os.environ.get("NANOAGENT_CPU_BF16") == "1"
     return torch.bfloat16 if gpu_bf16 or cpu_bf16 else torch.float32
 
 
 def seed_everything(seed, rank=0):
-    """Seed python, torch (CPU and CUDA) so each rank draws a different, reproducible stream."""
+    """Seed python, torch (CPU and CUDA) so each rank draws a different,
+    reproducible stream."""
     seed = seed + rank
     random.seed(seed)
     torch.manual_seed(seed)  # also seeds every CUDA device
@@ -51,7 +59,8 @@ def seed_everything(seed, rank=0):
 
 
 def rng_state():
-    """Python's and torch's RNG states, so a resumed run draws the same numbers as an unbroken one."""
+    """Python's and torch's RNG states, so a resumed run draws the same numbers as
+    an unbroken one."""
     return {"python": random.getstate(), "torch": torch.get_rng_state(),
             "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None}
 
@@ -71,10 +80,13 @@ def print0(*args, **kwargs):
 
 
 def compute_init(device_type=None, timeout_minutes=30):
-    """Set up this process (see above); returns (ddp, rank, local_rank, world_size, device).
-    device_type: 'cuda', 'cpu' or None (autodetect). On CUDA each rank is pinned to its local rank's GPU.
-    timeout_minutes: how long a collective waits for the other ranks before it raises (NCCL's watchdog ends the
-    process, naming the call): ranks that diverged (nanoagent/parallel.py's rule) stop with an error, not a hang."""
+    """Set up this process (see above); returns (ddp, rank, local_rank, world_size,
+    device).
+    device_type: 'cuda', 'cpu' or None (autodetect). On CUDA each rank is pinned to
+    its local rank's GPU.
+    timeout_minutes: how long a collective waits for the other ranks before it
+    raises (NCCL's watchdog ends the process, naming the call): ranks that diverged
+    (nanoagent/parallel.py's rule) stop with an error, not a hang."""
     device_type = device_type or autodetect_device_type()
     assert device_type in ("cuda", "cpu"), f"unsupported device type {device_type!r}: use 'cuda' or 'cpu'"
     ddp, rank, local_rank, world_size = get_dist_info()

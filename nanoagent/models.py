@@ -1,19 +1,24 @@
-"""Models and tokenizers: load a real checkpoint, build the critic, and make offline stand-ins for tests.
+"""Models and tokenizers: load a real checkpoint, build the critic, and make offline
+stand-ins for tests.
 
-Everything downstream sees a HF causal LM plus a HF fast tokenizer with Qwen2.5's chat template, and
-nothing else. Two ways to get one:
+Everything downstream sees a HF causal LM plus a HF fast tokenizer with Qwen2.5's
+chat template, and nothing else. Two ways to get one:
 
-- `load_model("Qwen/Qwen2.5-0.5B-Instruct")` or `load_model("runs/step_100")`: a Hub name or a local
-  directory, through transformers' Auto classes (the models Agent-R1 and RAGEN train).
-- `load_model("tiny")`: a ~0.45M-parameter Qwen2-architecture model with a small byte-level BPE vocabulary
-  (so CPU training is fast), built deterministically, saved as an ordinary HF directory and loaded from it
-  like a Qwen2.5 checkpoint. It speaks Qwen2.5's chat template (same special tokens, same `<tool_call>` /
-  `<tool_response>` markup), so the tiny model is a special case nowhere but here. `load_model("tiny-deep")`
-  is the same with 4 layers instead of 2, for the compute task (envs.ComputeEnv's `train_defaults`).
+- `load_model("Qwen/Qwen2.5-0.5B-Instruct")` or `load_model("runs/step_100")`: a Hub
+  name or a local directory, through transformers' Auto classes (the models Agent-R1
+  and RAGEN train).
+- `load_model("tiny")`: a ~0.45M-parameter Qwen2-architecture model with a small
+  byte-level BPE vocabulary (so CPU training is fast), built deterministically,
+  saved as an ordinary HF directory and loaded from it like a Qwen2.5 checkpoint. It
+  speaks Qwen2.5's chat template (same special tokens, same `<tool_call>` /
+  `<tool_response>` markup), so the tiny model is a special case nowhere but here.
+  `load_model("tiny-deep")` is the same with 4 layers instead of 2, for the compute
+  task (envs.ComputeEnv's `train_defaults`).
 
-`load_critic(path)` builds PPO's critic from the policy checkpoint, as Agent-R1 and RAGEN initialise theirs.
-`shared_prompt_hidden` runs rows that open alike (a GRPO group, the warm-up's demonstrations) sharing one pass.
-Every model loaded here attends with `sdpa_grouped`: transformers' SDPA attention, faster on the CPU.
+`load_critic(path)` builds PPO's critic from the policy checkpoint, as Agent-R1 and
+RAGEN initialise theirs. `shared_prompt_hidden` runs rows that open alike (a GRPO
+group, the warm-up's demonstrations) sharing one pass. Every model loaded here
+attends with `sdpa_grouped`: transformers' SDPA attention, faster on the CPU.
 """
 
 import contextlib
@@ -45,20 +50,23 @@ from nanoagent.checkpoint import save_atomically
 from nanoagent.common import UserError
 from nanoagent.parallel import most_over_ranks
 
-# Qwen2.5's published chat template, verbatim: system block with the tools list, `<tool_call>` JSON in
-# assistant turns, tool results wrapped in `<tool_response>` inside a user turn.
+# Qwen2.5's published chat template, verbatim: system block with the tools list,
+# `<tool_call>` JSON in assistant turns, tool results wrapped in `<tool_response>`
+# inside a user turn.
 QWEN25_CHAT_TEMPLATE = (Path(__file__).parent / "qwen25_chat_template.jinja").read_text()
 
-# Qwen2.5's pre-tokenizer regex: contractions, letter runs with one leading non-letter, single digits,
-# punctuation runs, newlines, spaces. Digits split one by one, so numbers never merge into odd chunks.
+# Qwen2.5's pre-tokenizer regex: contractions, letter runs with one leading
+# non-letter, single digits, punctuation runs, newlines, spaces. Digits split one by
+# one, so numbers never merge into odd chunks.
 QWEN25_PATTERN = (
     r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"""
     r"""| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"""
 )
 
-# Qwen2.5's added tokens, in id order starting at 151643 (right after the 151643 BPE ranks).
-# (token, special): "special" tokens are dropped by decode(skip_special_tokens=True); the tool-call and
-# fill-in-the-middle markers are ordinary added tokens, as in Qwen2.5's tokenizer_config.json.
+# Qwen2.5's added tokens, in id order starting at 151643 (right after the 151643 BPE
+# ranks). (token, special): "special" tokens are dropped by
+# decode(skip_special_tokens=True); the tool-call and fill-in-the-middle markers are
+# ordinary added tokens, as in Qwen2.5's tokenizer_config.json.
 QWEN25_ADDED_TOKENS = [
     ("<|endoftext|>", True), ("<|im_start|>", True), ("<|im_end|>", True),
     ("<|object_ref_start|>", True), ("<|object_ref_end|>", True), ("<|box_start|>", True),
@@ -69,9 +77,10 @@ QWEN25_ADDED_TOKENS = [
     ("<|fim_pad|>", False), ("<|repo_name|>", False), ("<|file_sep|>", False),
 ]
 
-# Single tokens in the tiny tokenizer only (Qwen2.5 BPE-encodes them): the environments' tags, the chat
-# template's fixed tool-block text and the JSON glue of tool schemas and calls. A constant 150-token preamble
-# would cost CPU time and dilute the attention a tiny model must learn to aim at a name.
+# Single tokens in the tiny tokenizer only (Qwen2.5 BPE-encodes them): the
+# environments' tags, the chat template's fixed tool-block text and the JSON glue of
+# tool schemas and calls. A constant 150-token preamble would cost CPU time and
+# dilute the attention a tiny model must learn to aim at a name.
 TINY_EXTRA_TOKENS = [
     "<tool_response>", "</tool_response>", "<think>", "</think>", "<answer>", "</answer>",
     "\n\n# Tools\n\nYou may call one or more functions to assist with the user query.\n\n"
@@ -86,13 +95,15 @@ TINY_EXTRA_TOKENS = [
 
 
 def cache_dir():
-    """Where built artefacts (the tiny model, the tests' rebuilt Qwen2.5 tokenizer) are kept between runs."""
+    """Where built artefacts (the tiny model, the tests' rebuilt Qwen2.5 tokenizer)
+    are kept between runs."""
     return Path(os.environ.get("NANOAGENT_CACHE", Path.home() / ".cache" / "nanoagent"))
 
 
 def byte_level_pipeline(tokenizer):
-    """Qwen2's text pipeline around a BPE model: NFC, the regex split, bytes shown as printable chars.
-    The tiny tokenizer's, and that of the real Qwen2.5 tokenizer rebuilt for tests (tests/qwen25_tokenizer.py)."""
+    """Qwen2's text pipeline around a BPE model: NFC, the regex split, bytes shown
+    as printable chars. The tiny tokenizer's, and that of the real Qwen2.5 tokenizer
+    rebuilt for tests (tests/qwen25_tokenizer.py)."""
     tokenizer.normalizer = normalizers.NFC()
     tokenizer.pre_tokenizer = pre_tokenizers.Sequence([
         pre_tokenizers.Split(Regex(QWEN25_PATTERN), behavior="isolated"),
@@ -103,7 +114,8 @@ def byte_level_pipeline(tokenizer):
 
 
 def with_qwen25_tokens_and_template(tokenizer, extra_tokens=()):
-    """Add Qwen2.5's added tokens (in Qwen's id order) and chat template; return a transformers tokenizer."""
+    """Add Qwen2.5's added tokens (in Qwen's id order) and chat template; return a
+    transformers tokenizer."""
     tokenizer.add_tokens([AddedToken(token, special=special, normalized=False)
                           for token, special in QWEN25_ADDED_TOKENS])
     tokenizer.add_tokens([AddedToken(token, special=False, normalized=False) for token in extra_tokens])
@@ -121,9 +133,10 @@ def with_qwen25_tokens_and_template(tokenizer, extra_tokens=()):
 # ----------------------------------------------------------------------------------------------------
 # The tiny offline model
 
-# What the tiny BPE is trained on: the chat template's fixed text, tool-call JSON, the tags and the
-# short English the environments write. A few hundred merges cover it; anything else still encodes,
-# byte by byte, because the base alphabet is all 256 bytes.
+# What the tiny BPE is trained on: the chat template's fixed text, tool-call JSON,
+# the tags and the short English the environments write. A few hundred merges cover
+# it; anything else still encodes, byte by byte, because the base alphabet is all
+# 256 bytes.
 TINY_CORPUS = [
     "<|im_start|>system\nYou are Qwen, created by Alibaba Cloud. You are a helpful assistant.<|im_end|>\n",
     "\n\n# Tools\n\nYou may call one or more functions to assist with the user query.\n\n"
@@ -154,10 +167,11 @@ TINY_CORPUS = [
     "Look Call Use Give Begin every reply reasoning then give product word problem apply",
     "Who\nWhat\nWhere\nWhen\nWhich\nHow\nIn\nThe\nNo\nYes\nAnswer\nInvalid\nError\n",
 ]
-# Short English words the environments use as names (envs.py: NAMES, the bandit's arms). They are
-# whole added tokens, so a name is the same single token wherever it stands (" Oak" in a question,
-# "Oak" after a quote or at a line start): copying a name from a search result is then the identity,
-# which a tiny model learns in minutes, instead of a learned mapping between two spellings.
+# Short English words the environments use as names (envs.py: NAMES, the bandit's
+# arms). They are whole added tokens, so a name is the same single token wherever it
+# stands (" Oak" in a question, "Oak" after a quote or at a line start): copying a
+# name from a search result is then the identity, which a tiny model learns in
+# minutes, instead of a learned mapping between two spellings.
 TINY_NAMES = ("Amber Aspen Birch Cedar Coral Daisy Delta Ember Fable Fern Flint Frost Gale Grove Hazel Heron "
               "Iris Ivory Jade Juniper Kestrel Lark Laurel Lotus Maple Marsh Meadow Mint Moss Nova Oak Olive "
               "Onyx Opal Orchid Pearl Pebble Pine Plum Quartz Raven Reed Ridge Robin Rose Ruby Rust Sage "
@@ -168,7 +182,8 @@ TINY_NAMES = ("Amber Aspen Birch Cedar Coral Daisy Delta Ember Fable Fern Flint 
 
 
 def tiny_tokenizer():
-    """A small byte-level BPE tokenizer with Qwen2.5's pipeline, special tokens and chat template.
+    """A small byte-level BPE tokenizer with Qwen2.5's pipeline, special tokens and
+    chat template.
     Deterministic: the BPE trainer sees the same corpus every time."""
     bpe = byte_level_pipeline(Tokenizer(models.BPE()))
     trainer = trainers.BpeTrainer(
@@ -179,19 +194,23 @@ def tiny_tokenizer():
     return with_qwen25_tokens_and_template(bpe, extra_tokens=TINY_EXTRA_TOKENS + TINY_NAMES)
 
 
-# Two layers are the fewest that can copy a token from the context (an induction-style circuit). Heads of 32
-# (4 query heads sharing 2 key/value heads, Qwen's grouped-query layout; vLLM's Qwen2 takes the head size
-# from hidden_size / num_attention_heads) are the smallest vLLM's CPU attention accepts, so the VLLMSampler
-# runs this model too. 128 wide with 4 heads: the smallest shape that learns reliably (see docs/results.md).
+# Two layers are the fewest that can copy a token from the context (an
+# induction-style circuit). Heads of 32 (4 query heads sharing 2 key/value heads,
+# Qwen's grouped-query layout; vLLM's Qwen2 takes the head size from hidden_size /
+# num_attention_heads) are the smallest vLLM's CPU attention accepts, so the
+# VLLMSampler runs this model too. 128 wide with 4 heads: the smallest shape that
+# learns reliably (see docs/results.md).
 TINY_SHAPE = dict(hidden_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                   intermediate_size=256)
-# Copying a string of single-digit tokens (a printed number into an answer) takes more depth than copying a name.
+# Copying a string of single-digit tokens (a printed number into an answer) takes
+# more depth than copying a name.
 TINY_MODELS = {"tiny": TINY_SHAPE, "tiny-deep": {**TINY_SHAPE, "num_hidden_layers": 4}}
 
 
 def tiny_model(tokenizer, seed=0, **shape):
-    """A freshly initialised Qwen2ForCausalLM sized for CPU training (~0.45M parameters), in float32.
-    `shape` overrides TINY_SHAPE (hidden_size, num_hidden_layers, ...), for experiments."""
+    """A freshly initialised Qwen2ForCausalLM sized for CPU training (~0.45M
+    parameters), in float32. `shape` overrides TINY_SHAPE (hidden_size,
+    num_hidden_layers, ...), for experiments."""
     vocab_size = (len(tokenizer) + 63) // 64 * 64  # round up, as Qwen pads 151665 tokens to 151936
     config = Qwen2Config(
         vocab_size=vocab_size, **{**TINY_SHAPE, **shape}, max_position_embeddings=4096, rope_theta=10000.0,
@@ -210,7 +229,8 @@ def tiny_model(tokenizer, seed=0, **shape):
 
 
 def save_tiny_model(path, seed=0, **shape):
-    """Build the tiny model (`shape` as in tiny_model) and tokenizer and save them as an HF checkpoint directory."""
+    """Build the tiny model (`shape` as in tiny_model) and tokenizer and save them
+    as an HF checkpoint directory."""
     tokenizer = tiny_tokenizer()
     model = tiny_model(tokenizer, seed=seed, **shape)
 
@@ -224,10 +244,12 @@ def save_tiny_model(path, seed=0, **shape):
 # Attention
 
 def sdpa_grouped(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
-    """transformers' "sdpa" attention, except on the CPU with a padding mask: there PyTorch reads the key/value heads
-    that several query heads share (grouped-query attention) in place, where transformers copies each once per query
-    head, as CUDA's masked kernels need: the same outputs, without copying the KV cache at every decode step. (On a
-    GPU the TorchSampler's static decode step attends with sampler.grouped_decode_attention instead.)"""
+    """transformers' "sdpa" attention, except on the CPU with a padding mask: there
+    PyTorch reads the key/value heads that several query heads share (grouped-query
+    attention) in place, where transformers copies each once per query head, as
+    CUDA's masked kernels need: the same outputs, without copying the KV cache at
+    every decode step. (On a GPU the TorchSampler's static decode step attends with
+    sampler.grouped_decode_attention instead.)"""
     if query.device.type != "cpu" or attention_mask is None:
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout, scaling, **kwargs)
     output = torch.nn.functional.scaled_dot_product_attention(query, key, value, attn_mask=attention_mask,
@@ -242,9 +264,10 @@ AttentionMaskInterface.register("sdpa_grouped", sdpa_mask)  # the masks "sdpa" g
 # Loading
 
 def resolve_model_path(name_or_path):
-    """Map a name of TINY_MODELS to its cached directory (built on first use); anything else is returned as
-    is. The directory is named after a hash of the recipe's data, so changing it never loads a stale build; a
-    change to the building code itself must add what it changes to `recipe`."""
+    """Map a name of TINY_MODELS to its cached directory (built on first use);
+    anything else is returned as is. The directory is named after a hash of the
+    recipe's data, so changing it never loads a stale build; a change to the
+    building code itself must add what it changes to `recipe`."""
     if name_or_path in TINY_MODELS:
         shape = TINY_MODELS[name_or_path]
         recipe = json.dumps([TINY_CORPUS, TINY_EXTRA_TOKENS, TINY_NAMES, shape, QWEN25_CHAT_TEMPLATE])
@@ -256,9 +279,9 @@ def resolve_model_path(name_or_path):
 
 
 def load_model(name_or_path, device="cpu", dtype=torch.float32):
-    """Load (model, tokenizer) from a Hub name, a local checkpoint directory, or 'tiny'; the model in eval
-    mode on `device` (the meta device: see `built`) in `dtype`. What cannot be loaded raises a UserError that says
-    what to do."""
+    """Load (model, tokenizer) from a Hub name, a local checkpoint directory, or
+    'tiny'; the model in eval mode on `device` (the meta device: see `built`) in
+    `dtype`. What cannot be loaded raises a UserError that says what to do."""
     path = resolve_model_path(name_or_path)
     directory = Path(path)
     if directory.is_dir():  # a local checkpoint: say which part is missing instead of transformers' trace
@@ -288,10 +311,12 @@ def load_model(name_or_path, device="cpu", dtype=torch.float32):
 
 
 def built(read, auto_class, path, config, dtype, device):
-    """read(dtype) -> the model from the checkpoint at path, except on the meta device (where train.py builds the
-    models it shards): there the architecture without memory, and `model.read_weights()`, which rank 0 alone calls
-    when parallel.shard_model fills the shards, reading the weights in the dtype they are stored in (bf16 for
-    Qwen2.5), so no rank holds a whole float32 copy. Either way, model.stored_dtype records it."""
+    """read(dtype) -> the model from the checkpoint at path, except on the meta
+    device (where train.py builds the models it shards): there the architecture
+    without memory, and `model.read_weights()`, which rank 0 alone calls when
+    parallel.shard_model fills the shards, reading the weights in the dtype they are
+    stored in (bf16 for Qwen2.5), so no rank holds a whole float32 copy. Either way,
+    model.stored_dtype records it."""
     stored_dtype = config.dtype or torch.float32  # read first: loading sets config.dtype to dtype
     if torch.device(device).type != "meta":
         model = read(dtype)
@@ -307,9 +332,10 @@ def built(read, auto_class, path, config, dtype, device):
 
 
 def sample_as_trained(model, temperature):
-    """Make model.generation_config (generation_config.json in its checkpoints) say how RL sampled: the training
-    temperature and nothing else. A base model's defaults (Qwen2.5-Instruct: temperature 0.7, top_p 0.8, top_k 20,
-    repetition penalty 1.05) would otherwise apply silently to `model.generate` on a trained checkpoint."""
+    """Make model.generation_config (generation_config.json in its checkpoints) say how
+    RL sampled: the training temperature and nothing else. A base model's defaults
+    (Qwen2.5-Instruct: temperature 0.7, top_p 0.8, top_k 20, repetition penalty 1.05)
+    would otherwise apply silently to `model.generate` on a trained checkpoint."""
     old = model.generation_config
     model.generation_config = GenerationConfig(do_sample=True, temperature=temperature, top_p=1.0, top_k=0,
                                                bos_token_id=old.bos_token_id, eos_token_id=old.eos_token_id,
@@ -317,11 +343,13 @@ def sample_as_trained(model, temperature):
 
 
 def load_critic(name_or_path, device="cpu", dtype=torch.float32):
-    """PPO's critic: the policy's backbone with a fresh scalar head, V(s_t) for every token.
+    """PPO's critic: the policy's backbone with a fresh scalar head, V(s_t) for
+    every token.
 
-    AutoModelForTokenClassification with one label is exactly "backbone + Linear(hidden, 1) per token"
-    and saves/loads like any HF model. The head starts at zero, so the first advantages are plain
-    discounted rewards. Call it as `critic(input_ids, attention_mask=...).logits.squeeze(-1)` -> (B, T).
+    AutoModelForTokenClassification with one label is exactly "backbone +
+    Linear(hidden, 1) per token" and saves/loads like any HF model. The head starts
+    at zero, so the first advantages are plain discounted rewards. Call it as
+    `critic(input_ids, attention_mask=...).logits.squeeze(-1)` -> (B, T).
     """
     path = resolve_model_path(name_or_path)
     config = AutoConfig.from_pretrained(path, num_labels=1, attn_implementation="sdpa_grouped")
@@ -342,24 +370,28 @@ def load_critic(name_or_path, device="cpu", dtype=torch.float32):
 
 
 # ----------------------------------------------------------------------------------------------------
-# A forward pass that runs each shared prompt once (the trainer's scoring passes, the warm-up)
+# A forward pass that runs each shared prompt once (the trainer's scoring passes,
+# the warm-up)
 
 def shared_prompt_hidden(model, input_ids, attention_mask, prompt_lengths):
-    """The model body's last hidden states (B, T, D) of right-padded rows, each distinct prompt run once (a
-    GRPO group's G members share their prompt; every demonstration of the warm-up its env's system prompt and
-    tool schemas), so every row runs only its rest, attending to the prompt's keys and values as to a KV cache
-    (gradients flow back as through G copies). Positions before each row's last prompt token (whose
-    predictions no loss reads) hold garbage.
+    """The model body's last hidden states (B, T, D) of right-padded rows, each
+    distinct prompt run once (a GRPO group's G members share their prompt; every
+    demonstration of the warm-up its env's system prompt and tool schemas), so every
+    row runs only its rest, attending to the prompt's keys and values as to a KV
+    cache (gradients flow back as through G copies). Positions before each row's
+    last prompt token (whose predictions no loss reads) hold garbage.
 
-    The rests run in passes of similar length: rows whose rest is 2^k to 2^(k+1) times shorter than the longest
-    share a pass, padded to its own longest row, so no pass computes more than twice its real tokens (a batch of
-    one-turn and four-turn episodes would otherwise pad every row to the longest). When every rest is over half
-    the longest, this is the one batched pass, float for float."""
+    The rests run in passes of similar length: rows whose rest is 2^k to 2^(k+1)
+    times shorter than the longest share a pass, padded to its own longest row, so
+    no pass computes more than twice its real tokens (a batch of one-turn and
+    four-turn episodes would otherwise pad every row to the longest). When every
+    rest is over half the longest, this is the one batched pass, float for float."""
     width, device = input_ids.shape[1], input_ids.device
     distinct = {}  # prompt tokens -> its row in the prompt batch
     owner = torch.tensor([distinct.setdefault(tuple(input_ids[row, :length].tolist()), len(distinct))
                           for row, length in enumerate(prompt_lengths.tolist())], device=device)  # (B,)
-    # The distinct prompts, left-padded so that each ends in the last column; positions count real tokens.
+    # The distinct prompts, left-padded so that each ends in the last column;
+    # positions count real tokens.
     prompts = [torch.tensor(prompt, device=device) for prompt in distinct]
     prompt_ids = pad_sequence(prompts, batch_first=True, padding_side="left")  # (U, P)
     prompt_mask = pad_sequence([torch.ones_like(prompt) for prompt in prompts], batch_first=True, padding_side="left")
@@ -369,8 +401,9 @@ def shared_prompt_hidden(model, input_ids, attention_mask, prompt_lengths):
     rest_lengths = attention_mask.sum(dim=1) - prompt_lengths  # (B,)
     length_class = (rest_lengths.max() / rest_lengths.clamp(min=1)).log2().floor()  # (B,) k: 2^k to 2^(k+1) shorter
     batches = [(length_class == k).nonzero().squeeze(1) for k in length_class.unique()]  # (b,) each, in batch order
-    # Under FSDP2 every pass is a collective: a rank with fewer passes than another runs stand-ins on one row and
-    # drops their output, kept in the autograd graph so that the backward's collectives match too.
+    # Under FSDP2 every pass is a collective: a rank with fewer passes than another
+    # runs stand-ins on one row and drops their output, kept in the autograd graph
+    # so that the backward's collectives match too.
     stand_ins = most_over_ranks(model, len(batches), device) - len(batches)
     passes, rows_in_order = [], []
     for rows, used in [(rows, len(rows)) for rows in batches] + [(batches[-1][:1], 0)] * stand_ins:
@@ -378,7 +411,8 @@ def shared_prompt_hidden(model, input_ids, attention_mask, prompt_lengths):
         cache = DynamicCache(config=model.config)  # each row reads its own prompt's keys and values
         for index, layer in enumerate(prompt_out.past_key_values.layers):
             cache.update(layer.keys.index_select(0, own), layer.values.index_select(0, own), index)
-        # The rest of every row, left-aligned and right-padded: (b, R); its positions continue the prompt's.
+        # The rest of every row, left-aligned and right-padded: (b, R); its
+        # positions continue the prompt's.
         rest_width = max(int(rest_lengths[rows].max()), 1)
         columns = torch.arange(rest_width, device=device)  # (R,)
         starts = prompt_lengths[rows, None]  # (b, 1)
@@ -386,7 +420,8 @@ def shared_prompt_hidden(model, input_ids, attention_mask, prompt_lengths):
         mask = torch.cat([prompt_mask[own], (columns < rest_lengths[rows, None]).long()], dim=1)  # (b, P + R)
         rest_hidden = model.base_model(input_ids=rest_ids, attention_mask=mask, past_key_values=cache,
                                        position_ids=starts + columns).last_hidden_state  # (b, R, D)
-        # Back to the rows' own columns: column j of `tail` is position prompt_length - 1 + j.
+        # Back to the rows' own columns: column j of `tail` is position
+        # prompt_length - 1 + j.
         tail = torch.cat([prompt_last.index_select(0, own), rest_hidden], dim=1)  # (b, 1 + R, D)
         source = (torch.arange(width, device=device) - starts + 1).clamp(0, rest_width)  # (b, T)
         passes.append(tail.gather(1, source[..., None].expand(-1, -1, tail.shape[-1]))[:used])  # (b, T, D)

@@ -1,24 +1,28 @@
 """
-See a run: the trajectories it kept and the curves it logged, on one HTML page that opens offline.
+See a run: the trajectories it kept and the curves it logged, on one HTML page that
+opens offline.
 
     python -m nanoagent.report runs/default     # writes runs/default/report.html: open it in any browser
 
-Agent RL fails in ways a mean hides: the agent stops calling tools, repeats one query, answers before
-searching. People find these by reading trajectories beside the curves, so a run keeps both:
+Agent RL fails in ways a mean hides: the agent stops calling tools, repeats one
+query, answers before searching. People find these by reading trajectories beside
+the curves, so a run keeps both:
 
   - `metrics.jsonl`, one line per step (train.py's end_of_step);
-  - `trajectories.jsonl`, one line per trajectory (`trajectory_records`): train.py writes one group per
-    step (group_size lines, each at most max_total_tokens tokens), eval.py --trajectories every episode.
-    Every token has its id, its text, its author (prompt, agent or env: the action mask made visible),
-    its reward, and, from training, its advantage and the old policy's log-prob beside the sampler's;
-    every turn its reward, the tool calls the env parsed and the tool's answers.
+  - `trajectories.jsonl`, one line per trajectory (`trajectory_records`): train.py
+    writes one group per step (group_size lines, each at most max_total_tokens tokens),
+    eval.py --trajectories every episode. Every token has its id, its text, its author
+    (prompt, agent or env: the action mask made visible), its reward, and, from
+    training, its advantage and the old policy's log-prob beside the sampler's; every
+    turn its reward, the tool calls the env parsed and the tool's answers.
 
-The page (`report_html`, template `report.html.jinja`): the run's flags and summary, the logged metrics
-as curves grouped as a reader thinks of them (matplotlib, inline PNGs) with Echo-Trap warnings marked by signal,
-and a trajectory browser: pick a step's group, read its members side by side, tokens coloured by author,
-agent tokens shaded by advantage (green above 0, red below). Notebooks show trajectories with the same
-template (`trajectories_html`). A missing file, a half-written last line (a run killed mid-write) or a run
-still going make a page that says so, never a traceback.
+The page (`report_html`, template `report.html.jinja`): the run's flags and summary,
+the logged metrics as curves grouped as a reader thinks of them (matplotlib, inline
+PNGs) with Echo-Trap warnings marked by signal, and a trajectory browser: pick a
+step's group, read its members side by side, tokens coloured by author, agent tokens
+shaded by advantage (green above 0, red below). Notebooks show trajectories with the
+same template (`trajectories_html`). A missing file, a half-written last line (a run
+killed mid-write) or a run still going make a page that says so, never a traceback.
 """
 
 import argparse
@@ -32,7 +36,8 @@ import jinja2
 from matplotlib.figure import Figure  # the object API: no pyplot, so no global backend to switch
 
 TRAJECTORIES = "trajectories.jsonl"
-# The curves, grouped as a reader asks: did it work, what does the agent do, is the update sane, is there signal?
+# The curves, grouped as a reader asks: did it work, what does the agent do, is the
+# update sane, is there signal?
 CURVES = {"outcome": ["reward", "success", "eval_success"],
           "behaviour": ["turns", "tool_calls", "invalid_call_rate", "void_turns", "response_tokens", "truncated"],
           "optimisation": ["policy_loss", "entropy", "approx_kl", "clip_fraction", "grad_norm", "explained_variance",
@@ -48,14 +53,16 @@ TEMPLATE = jinja2.Environment(loader=jinja2.FileSystemLoader(Path(__file__).pare
 
 
 def trajectory_records(trajectories, tokenizer, step, advantages=None, old_logprobs=None):
-    """trajectories.jsonl's lines (dicts) for rollout.Trajectory objects, a group's members in order; `step`
-    labels them (a training step, or eval.py's row). advantages and old_logprobs: one list per trajectory,
-    aligned with token_ids[1:] as the trainer computes them (train.token_logprobs), or None."""
+    """trajectories.jsonl's lines (dicts) for rollout.Trajectory objects, a group's
+    members in order; `step` labels them (a training step, or eval.py's row).
+    advantages and old_logprobs: one list per trajectory, aligned with token_ids[1:]
+    as the trainer computes them (train.token_logprobs), or None."""
     records, members = [], {}
     for row, trajectory in enumerate(trajectories):
         ids, prompt_length = trajectory.token_ids, trajectory.prompt_length
         members[trajectory.group_id] = members.get(trajectory.group_id, -1) + 1
-        # Who wrote each token: the action mask, with the opening prompt (the env's too) named apart.
+        # Who wrote each token: the action mask, with the opening prompt (the env's
+        # too) named apart.
         authors = ["prompt"] * prompt_length + ["agent" if agent else "env"
                                                 for agent in trajectory.action_mask[prompt_length:]]
         rewards = [0.0] * len(ids)
@@ -82,18 +89,21 @@ def trajectory_records(trajectories, tokenizer, step, advantages=None, old_logpr
 
 
 def rounded(values):
-    """Numbers as the file keeps them: 4 decimals are plenty to read, and a line stays short."""
+    """Numbers as the file keeps them: 4 decimals are plenty to read, and a line
+    stays short."""
     return [round(value, 4) for value in values]
 
 
 def trainer_row(values, row, length):
-    """Row `row` of the trainer's (B, T-1) numbers, aligned with token_ids[1:], as one number per token (T,):
-    token 0 has no prediction, so 0.0. None (eval.py has no trainer) stays None."""
+    """Row `row` of the trainer's (B, T-1) numbers, aligned with token_ids[1:], as
+    one number per token (T,): token 0 has no prediction, so 0.0. None (eval.py has
+    no trainer) stays None."""
     return None if values is None else [0.0] + rounded(values[row][:length - 1])
 
 
 def append_jsonl(path, records):
-    """Append one JSON line per record, in one write (a run killed mid-write leaves at most one partial line)."""
+    """Append one JSON line per record, in one write (a run killed mid-write leaves
+    at most one partial line)."""
     with open(path, "a") as file:
         file.write("".join(json.dumps(record, default=str) + "\n" for record in records))
 
@@ -102,7 +112,8 @@ def append_jsonl(path, records):
 
 
 def read_jsonl(path, problems):
-    """The dict lines of a JSONL file; a missing file or a broken line is added to `problems` instead."""
+    """The dict lines of a JSONL file; a missing file or a broken line is added to
+    `problems` instead."""
     if not path.is_file():
         problems.append(f"no {path.name} in this directory")
         return []
@@ -121,8 +132,8 @@ def read_jsonl(path, problems):
 
 
 def curves_png(history, names, warned_steps):
-    """One row of small plots, one per metric of `names` (each logged at some step), as base64 PNG; a dotted red
-    line at every step with an Echo-Trap warning."""
+    """One row of small plots, one per metric of `names` (each logged at some step),
+    as base64 PNG; a dotted red line at every step with an Echo-Trap warning."""
     figure = Figure(figsize=(2.2 * len(names), 1.9), dpi=90, layout="constrained")
     for axes, name in zip(figure.subplots(1, len(names), squeeze=False)[0], names):
         steps, values = zip(*[(metrics.get("step"), metrics[name]) for metrics in history if name in metrics])
@@ -138,8 +149,9 @@ def curves_png(history, names, warned_steps):
 
 
 def trajectory_groups(records):
-    """[(step, group, members)] in the order written, at most MAX_GROUPS evenly spaced ones. A step written
-    twice (a resumed run re-runs the steps after its checkpoint) shows its last writing."""
+    """[(step, group, members)] in the order written, at most MAX_GROUPS evenly
+    spaced ones. A step written twice (a resumed run re-runs the steps after its
+    checkpoint) shows its last writing."""
     groups = {}
     for record in records:
         key = (record.get("step"), record.get("group"))
@@ -150,7 +162,8 @@ def trajectory_groups(records):
 
 
 def report_html(run_dir):
-    """The page for a run (or eval) directory, as a string: it says what is missing instead of failing."""
+    """The page for a run (or eval) directory, as a string: it says what is missing
+    instead of failing."""
     run_dir, problems = Path(run_dir), []
     args = json.loads((run_dir / "args.json").read_text()) if (run_dir / "args.json").is_file() else {}
     history = read_jsonl(run_dir / "metrics.jsonl", problems)
@@ -164,7 +177,8 @@ def report_html(run_dir):
         for signal in signals if isinstance(signals, list) else ["unnamed"]:
             fired.setdefault(signal, []).append(metrics.get("step"))
     warned = sorted({step for steps in fired.values() for step in steps})
-    # A curve at 0 every step is left out and named: often 0 by construction (the page says which).
+    # A curve at 0 every step is left out and named: often 0 by construction (the
+    # page says which).
     logged = {name for metrics in history for name in metrics}
     flat = [name for names in CURVES.values() for name in names
             if name in logged and all(metrics.get(name, 0) == 0 for metrics in history)]
@@ -180,7 +194,8 @@ def report_html(run_dir):
 
 
 def trajectories_html(records):
-    """The page's rendering of some trajectory records, side by side, as HTML (a notebook: IPython's HTML)."""
+    """The page's rendering of some trajectory records, side by side, as HTML (a
+    notebook: IPython's HTML)."""
     return TEMPLATE.render(page=False, groups=[(None, None, records)])
 
 

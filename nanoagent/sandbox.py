@@ -1,26 +1,35 @@
-"""Run Python code a policy wrote, in layers a reader can check (Linux): `run_python(code) -> (text, ok)`.
+"""Run Python code a policy wrote, in layers a reader can check (Linux):
+`run_python(code) -> (text, ok)`.
 
-The one place nanoagent runs untrusted input, thousands of times a training step. The threat is a program that,
-by mistake or reward hacking, loops, eats memory, floods its output, fills the disk, forks without end, reads the
-trainer's secrets (HF_TOKEN), rewrites the project or its grader, reaches the network, or outlives the call; not
-an attacker with a kernel exploit (no seccomp filter; the kernel is shared). `layers()` names the layers here:
+The one place nanoagent runs untrusted input, thousands of times a training step.
+The threat is a program that, by mistake or reward hacking, loops, eats memory,
+floods its output, fills the disk, forks without end, reads the trainer's secrets
+(HF_TOKEN), rewrites the project or its grader, reaches the network, or outlives the
+call; not an attacker with a kernel exploit (no seccomp filter; the kernel is
+shared). `layers()` names the layers here:
 
-1. "process" (always). A new session per call in a fresh temporary directory, stdin closed, four environment
-   variables and none of ours; isolated Python (`-I -S`: no PYTHON* variables, no site-packages), so the project
-   cannot be imported; hard limits on CPU, memory, file size, open files and core dumps (util-linux's prlimit
-   sets them, then execs the program); at the time-out or the output cap we kill the process group and every
-   process with the call's token in its environment (which one that left the group keeps). Not stopped: what our
-   uid may do (write the repository, signal the trainer, read its /proc/PID/environ), the network, forks, a
-   process that leaves the group and replaces its environment.
-2. "unprivileged uid" (when we are root, as CI is). The program runs as nobody, with no groups: it cannot write
-   what root owns, read root-only files (/root) or signal the trainer; RLIMIT_NPROC caps its processes. Not
-   stopped: what any user may read (/etc) or write (/tmp), the network; calls running at once are all nobody:
-   they may signal each other and share the process cap, where killed processes count until init reaps them.
-3. "bubblewrap" (`apt-get install bubblewrap`). Namespaces: the program sees a read-only /usr (and /bin, /lib),
-   its work directory, a private /tmp, /proc, /dev, nothing else; no network but its own loopback; uid 65534 in
-   a user namespace, where RLIMIT_NPROC counts this call's processes (Linux >= 5.14); a PID namespace, so all it
-   started dies with it, whatever its session or environment. Not stopped: kernel bugs, and many files each
-   under the size cap (memory in /tmp, disk in the work directory) until the time-out.
+1. "process" (always). A new session per call in a fresh temporary directory, stdin
+   closed, four environment variables and none of ours; isolated Python (`-I -S`: no
+   PYTHON* variables, no site-packages), so the project cannot be imported; hard
+   limits on CPU, memory, file size, open files and core dumps (util-linux's prlimit
+   sets them, then execs the program); at the time-out or the output cap we kill the
+   process group and every process with the call's token in its environment (which
+   one that left the group keeps). Not stopped: what our uid may do (write the
+   repository, signal the trainer, read its /proc/PID/environ), the network, forks,
+   a process that leaves the group and replaces its environment.
+2. "unprivileged uid" (when we are root, as CI is). The program runs as nobody, with
+   no groups: it cannot write what root owns, read root-only files (/root) or signal
+   the trainer; RLIMIT_NPROC caps its processes. Not stopped: what any user may read
+   (/etc) or write (/tmp), the network; calls running at once are all nobody: they
+   may signal each other and share the process cap, where killed processes count
+   until init reaps them.
+3. "bubblewrap" (`apt-get install bubblewrap`). Namespaces: the program sees a
+   read-only /usr (and /bin, /lib), its work directory, a private /tmp, /proc, /dev,
+   nothing else; no network but its own loopback; uid 65534 in a user namespace,
+   where RLIMIT_NPROC counts this call's processes (Linux >= 5.14); a PID namespace,
+   so all it started dies with it, whatever its session or environment. Not stopped:
+   kernel bugs, and many files each under the size cap (memory in /tmp, disk in the
+   work directory) until the time-out.
 """
 
 import contextlib
@@ -56,9 +65,10 @@ class Limits:
 
 
 def run_python(code: str, limits: Limits = Limits()) -> tuple[str, bool]:
-    """Run `code` as a Python program in the sandbox. Returns (what the model reads, ok): its stdout then
-    stderr, cut at limits.output_bytes, then a "[sandbox: ...]" line unless it exited with status 0 (ok).
-    Never raises, never outlives limits.timeout_s by more than about a second, and is safe to call from threads."""
+    """Run `code` as a Python program in the sandbox. Returns (what the model reads,
+    ok): its stdout then stderr, cut at limits.output_bytes, then a "[sandbox: ...]"
+    line unless it exited with status 0 (ok). Never raises, never outlives
+    limits.timeout_s by more than about a second, and is safe to call from threads."""
     try:  # fails for what is not a str, and for a lone surrogate (invalid UTF-8 decoded with "surrogateescape")
         source = code.encode("utf-8")
     except (AttributeError, UnicodeEncodeError) as error:
@@ -75,7 +85,8 @@ def run_python(code: str, limits: Limits = Limits()) -> tuple[str, bool]:
 
 
 def layers() -> list[str]:
-    """The layers run_python uses here, weakest first. The first call tries bubblewrap; it warns once if that fails."""
+    """The layers run_python uses here, weakest first. The first call tries
+    bubblewrap; it warns once if that fails."""
     with _probe_lock:  # a thread pool's first calls arrive together: probe, and warn, once
         return list(_probe())
 
@@ -107,18 +118,21 @@ def _run(source: bytes, limits: Limits, bwrap: bool, as_nobody: bool) -> tuple[s
             os.chown(file.name, NOBODY, NOBODY)
         env = {"PATH": "/usr/bin:/bin", "HOME": "/sandbox" if bwrap else workdir, "LANG": "C.UTF-8",
                "NANOAGENT_SANDBOX": token}
-        # Any Python 3 will do: ours, unless nobody or bubblewrap may not reach it (outside /usr): the system's
+        # Any Python 3 will do: ours, unless nobody or bubblewrap may not reach it
+        # (outside /usr): the system's
         python = os.path.realpath(sys.executable)  # a virtual environment's python links to its base interpreter
         if (bwrap or as_nobody) and not python.startswith("/usr/"):
             python = "/usr/bin/python3"
-        # util-linux's prlimit sets the limits, then execs the program: not Popen's preexec_fn (it can deadlock in
-        # threads), nor a Python prelude (a second interpreter start: a third of a call's time)
+        # util-linux's prlimit sets the limits, then execs the program: not Popen's
+        # preexec_fn (it can deadlock in threads), nor a Python prelude (a second
+        # interpreter start: a third of a call's time)
         rlimits = [f"--cpu={limits.cpu_s}:{limits.cpu_s + 1}",  # SIGXCPU first, SIGKILL a second later
                    f"--as={limits.memory_mb << 20}", f"--fsize={limits.file_mb << 20}", f"--nofile={limits.open_files}",
                    "--core=0"]
         if bwrap or as_nobody:  # RLIMIT_NPROC counts every process and thread of the uid: not where it is ours
             rlimits.append(f"--nproc={limits.processes}")
-        # -u: what it printed before a time-out still comes back. prlimit is found on PATH, in the sandbox too.
+        # -u: what it printed before a time-out still comes back. prlimit is found
+        # on PATH, in the sandbox too.
         argv = ["prlimit", *rlimits, "--", python, "-I", "-S", "-u", "-X", "utf8", "main.py"]
         if bwrap:  # it passes on the environment Popen gives it, and sets PWD
             argv = [_BWRAP, "--unshare-user", "--uid", str(NOBODY), "--gid", str(NOBODY),  # not root, even inside
@@ -138,7 +152,8 @@ def _run(source: bytes, limits: Limits, bwrap: bool, as_nobody: bool) -> tuple[s
     returncode = proc.returncode
     if bwrap and returncode - 128 in signal.valid_signals():  # bwrap says "killed by signal N" as a shell does,
         returncode = 128 - returncode  # with exit status 128 + N (so sys.exit(137) reads as SIGKILL there)
-    # What the model reads: the output, then how the program ended, unless it ended well
+    # What the model reads: the output, then how the program ended, unless it ended
+    # well
     text = (stdout + stderr)[:limits.output_bytes].decode("utf-8", errors="replace")
     if stopped == "output":
         note = f"output cut at {limits.output_bytes} bytes; the program was stopped"
@@ -158,8 +173,9 @@ def _run(source: bytes, limits: Limits, bwrap: bool, as_nobody: bool) -> tuple[s
 
 
 def _collect(proc: subprocess.Popen, limits: Limits, kill) -> tuple[bytes, bytes, str]:
-    """Read stdout and stderr until the program ends: kill() at the time-out, past the output cap, or once it exits
-    (its children may hold the pipes), then wait a second at most. Returns (stdout, stderr, "" or why stopped)."""
+    """Read stdout and stderr until the program ends: kill() at the time-out, past
+    the output cap, or once it exits (its children may hold the pipes), then wait a
+    second at most. Returns (stdout, stderr, "" or why stopped)."""
     output = {proc.stdout.fileno(): bytearray(), proc.stderr.fileno(): bytearray()}
     deadline, stopped, killed = time.monotonic() + limits.timeout_s, "", False
     exit_fd = os.pidfd_open(proc.pid)  # readable once the program (or bwrap) has exited; it is not reaped
@@ -191,8 +207,9 @@ def _collect(proc: subprocess.Popen, limits: Limits, kill) -> tuple[bytes, bytes
 
 
 def _kill(proc: subprocess.Popen, token: str, bwrap: bool) -> None:
-    """SIGKILL the call's process group and every process carrying its token. Under bubblewrap, spare bwrap: the
-    namespace's first process (bwrap's fork) has the token, and its death ends the namespace, then bwrap."""
+    """SIGKILL the call's process group and every process carrying its token. Under
+    bubblewrap, spare bwrap: the namespace's first process (bwrap's fork) has the
+    token, and its death ends the namespace, then bwrap."""
     if not bwrap:
         with contextlib.suppress(ProcessLookupError):
             os.killpg(proc.pid, signal.SIGKILL)
