@@ -47,11 +47,14 @@ from nanoagent.lora import save_adapter
 from nanoagent.parallel import full_state_dict, is_sharded
 
 MANIFEST = "manifest.json"
-SHARD_WRITERS = weakref.WeakKeyDictionary()  # {policy: the dcp writer of its run's optimizer/ shards}
+# {policy: the dcp writer of its run's optimizer/ shards}
+SHARD_WRITERS = weakref.WeakKeyDictionary()
 # torch.distributed.checkpoint warns at every save and load that no process group is
 # up: without torchrun that is the plan (no_dist=True). A filter for good, as the
 # background thread's saves warn after any `with` has ended.
-warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
+warnings.filterwarnings(
+    "ignore", message="torch.distributed is disabled, unavailable or uninitialized"
+)
 
 
 def fsync_tree(directory):
@@ -72,7 +75,8 @@ def temporary_sibling(path, collective=False):
     tmp = None
     if not collective or dist.get_rank() == 0:
         path.parent.mkdir(parents=True, exist_ok=True)
-        for stale in path.parent.glob(f".{path.name}.tmp*"):  # left by a process killed while saving this path
+        # left by a process killed while saving this path
+        for stale in path.parent.glob(f".{path.name}.tmp*"):
             shutil.rmtree(stale, ignore_errors=True)
         tmp = Path(tempfile.mkdtemp(dir=path.parent, prefix=f".{path.name}.tmp"))
     if collective:
@@ -98,7 +102,8 @@ def save_atomically(path, save_fn):
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     with open(path.parent / f".{path.name}.lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file is closed, or when its process dies
+        # released when the file is closed, or when its process dies
+        fcntl.flock(lock, fcntl.LOCK_EX)
         if path.exists():
             return path
         tmp = temporary_sibling(path)
@@ -130,25 +135,33 @@ def save_checkpoint(out_dir, step, policy, tokenizer, trainer_state, critic=None
     exports = [(model, subdirectory, full_state_dict(model, model.stored_dtype))  # the dtype it came in (models.built)
                for model, subdirectory in ((policy, tmp), (critic, tmp / "critic")) if model is not None]
     for model, subdirectory, _ in exports:
-        if hasattr(model, "peft_config"):  # --lora_rank: the adapter alone too (the export is merged); small
+        # --lora_rank: the adapter alone too (the export is merged); small
+        if hasattr(model, "peft_config"):
             save_adapter(model, subdirectory / "adapter", master)
     # The shards are staged in CPU memory now (from a GPU, into pinned buffers the
     # run's writer keeps, far faster than fresh pageable memory: docs/gpu.md) and
     # written by dcp's own thread, with collectives on a group of their own: the
     # training's run on the default group meanwhile (two threads' calls on one group
     # would interleave).
-    if optimizers and policy not in SHARD_WRITERS:  # the run's first save: its writer makes the buffers
-        SHARD_WRITERS[policy] = dcp.FileSystemWriter(tmp, cache_staged_state_dict=torch.cuda.is_available())
-    shards = dcp.async_save(training_states(optimizers), checkpoint_id=tmp / "optimizer", no_dist=not is_sharded(),
-                            storage_writer=SHARD_WRITERS.get(policy),
-                            process_group=background_group() if is_sharded() else None) if optimizers else None
+    # the run's first save: its writer makes the buffers
+    if optimizers and policy not in SHARD_WRITERS:
+        SHARD_WRITERS[policy] = dcp.FileSystemWriter(
+            tmp, cache_staged_state_dict=torch.cuda.is_available()
+        )
+    shards = dcp.async_save(
+        training_states(optimizers), checkpoint_id=tmp / "optimizer",
+        no_dist=not is_sharded(), storage_writer=SHARD_WRITERS.get(policy),
+        process_group=background_group() if is_sharded() else None
+    ) if optimizers else None
     trainer_state = copy.deepcopy(trainer_state)  # the history grows at the next step
 
     def write():
         try:
             if shards:
-                shards.result()  # every rank's shards are written: the coordinator gathers their results last
-            if master:  # save_pretrained writes the fp32 masters' dtype into config.json, and FSDP's class name
+                # every rank's shards are written: the coordinator gathers their results last
+                shards.result()
+            # save_pretrained writes the fp32 masters' dtype into config.json, and FSDP's class name
+            if master:
                 for model, subdirectory, state_dict in exports:
                     model.save_pretrained(subdirectory, state_dict=state_dict)
                     config_file = subdirectory / "config.json"
@@ -158,7 +171,9 @@ def save_checkpoint(out_dir, step, policy, tokenizer, trainer_state, critic=None
                     config_file.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
                 tokenizer.save_pretrained(tmp)
                 torch.save(trainer_state, tmp / "trainer_state.pt")
-                (tmp / MANIFEST).write_text(json.dumps({"step": step, "files": file_sizes(tmp)}, indent=1))
+                (tmp / MANIFEST).write_text(
+                    json.dumps({"step": step, "files": file_sizes(tmp)}, indent=1)
+                )
                 move_into_place(tmp, path)
         except OSError as error:
             previous = latest_checkpoint(out_dir)
@@ -171,7 +186,8 @@ def save_checkpoint(out_dir, step, policy, tokenizer, trainer_state, critic=None
                 shutil.rmtree(tmp, ignore_errors=True)
         return path
 
-    executor = ThreadPoolExecutor(max_workers=1)  # not a daemon: a process that ends (or fails) waits for it
+    # not a daemon: a process that ends (or fails) waits for it
+    executor = ThreadPoolExecutor(max_workers=1)
     saving = executor.submit(write)
     executor.shutdown(wait=False)  # its thread ends with the write
     return saving
@@ -197,8 +213,13 @@ def background_group():
 def training_states(optimizers):
     """{name: {"weights": the fp32 masters, "optimizer": its state}} of {name:
     (model, optimizer)}, as this rank's shards: what optimizer/ holds."""
-    return {name: {"weights": get_model_state_dict(model), "optimizer": get_optimizer_state_dict(model, optimizer)}
-            for name, (model, optimizer) in optimizers.items()}
+    return {
+        name: {
+            "weights": get_model_state_dict(model),
+            "optimizer": get_optimizer_state_dict(model, optimizer)
+        }
+        for name, (model, optimizer) in optimizers.items()
+    }
 
 
 def load_training_states(path, optimizers):
@@ -206,7 +227,8 @@ def load_training_states(path, optimizers):
     resharded to this run's ranks (any number of them). optimizers: {name: (model,
     optimizer)} as for save_checkpoint, the models sharded."""
     states = training_states(optimizers)
-    dcp.load(states, checkpoint_id=Path(path) / "optimizer", no_dist=not is_sharded())  # in place, into the shards
+    # in place, into the shards
+    dcp.load(states, checkpoint_id=Path(path) / "optimizer", no_dist=not is_sharded())
     for name, (model, optimizer) in optimizers.items():
         set_model_state_dict(model, states[name]["weights"])
         set_optimizer_state_dict(model, optimizer, states[name]["optimizer"])

@@ -27,7 +27,9 @@ def get_dist_info():
     """Return (is_distributed, rank, local_rank, world_size) from torchrun's
     environment variables."""
     if all(key in os.environ for key in ("RANK", "LOCAL_RANK", "WORLD_SIZE")):
-        return True, int(os.environ["RANK"]), int(os.environ["LOCAL_RANK"]), int(os.environ["WORLD_SIZE"])
+        return True, int(
+            os.environ["RANK"]
+        ), int(os.environ["LOCAL_RANK"]), int(os.environ["WORLD_SIZE"])
     return False, 0, 0, 1
 
 
@@ -88,7 +90,9 @@ def compute_init(device_type=None, timeout_minutes=30):
     raises (NCCL's watchdog ends the process, naming the call): ranks that diverged
     (nanoagent/parallel.py's rule) stop with an error, not a hang."""
     device_type = device_type or autodetect_device_type()
-    assert device_type in ("cuda", "cpu"), f"unsupported device type {device_type!r}: use 'cuda' or 'cpu'"
+    assert device_type in (
+        "cuda", "cpu"
+    ), f"unsupported device type {device_type!r}: use 'cuda' or 'cpu'"
     ddp, rank, local_rank, world_size = get_dist_info()
     if device_type == "cuda":
         assert torch.cuda.is_available(), "device 'cuda' requested but torch sees no GPU (use --device cpu)"
@@ -99,11 +103,16 @@ def compute_init(device_type=None, timeout_minutes=30):
         device = torch.device("cpu")
     if ddp:
         backend = "nccl" if device_type == "cuda" else "gloo"
-        dist.init_process_group(backend=backend, device_id=device if device_type == "cuda" else None,
-                                timeout=datetime.timedelta(minutes=timeout_minutes))
+        dist.init_process_group(
+            backend=backend, device_id=device if device_type == "cuda" else None,
+            timeout=datetime.timedelta(minutes=timeout_minutes)
+        )
         dist.barrier()
-    elif device_type == "cuda":  # a 1-rank group: a single GPU trains sharded too (nanoagent/parallel.py)
-        dist.init_process_group(backend="nccl", store=dist.HashStore(), rank=0, world_size=1, device_id=device)
+    # a 1-rank group: a single GPU trains sharded too (nanoagent/parallel.py)
+    elif device_type == "cuda":
+        dist.init_process_group(
+            backend="nccl", store=dist.HashStore(), rank=0, world_size=1, device_id=device
+        )
     return ddp, rank, local_rank, world_size, device
 
 

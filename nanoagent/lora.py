@@ -29,8 +29,10 @@ def add_lora(model, rank):
     "all-linear": not the LM head), in place, and freeze the rest; returns the model. B
     starts at zero, so the model starts as it was. A model built on the meta device
     (models.built) gets the same adapters in the weights rank 0 reads for it."""
-    config = LoraConfig(r=rank, lora_alpha=2 * rank, target_modules="all-linear")  # s = alpha / r = 2, a common choice
-    with torch.random.fork_rng(devices=[]):  # the same A on 1 process or N ranks, the caller's RNG untouched
+    # s = alpha / r = 2, a common choice
+    config = LoraConfig(r=rank, lora_alpha=2 * rank, target_modules="all-linear")
+    # the same A on 1 process or N ranks, the caller's RNG untouched
+    with torch.random.fork_rng(devices=[]):
         torch.manual_seed(0)
         inject_adapter_in_model(config, model)
     if hasattr(model, "read_weights"):
@@ -56,10 +58,14 @@ def merged(model, named_tensors):
             held[name] = tensor
         elif ".lora_B." in name:
             layer, _, adapter = name.partition(".lora_B.")
-            weight, down = held.pop(f"{layer}.base_layer.weight"), held.pop(f"{layer}.lora_A.{adapter}")
+            weight, down = held.pop(
+                f"{layer}.base_layer.weight"
+            ), held.pop(f"{layer}.lora_A.{adapter}")
             # (out, in) + (out, R) @ (R, in), in peft's own order of operations (its
             # merge gives the same floats)
-            yield f"{layer}.weight", weight + (tensor @ down) * model.get_submodule(layer).scaling["default"]
+            yield f"{layer}.weight", weight + (
+                tensor @ down
+            ) * model.get_submodule(layer).scaling["default"]
         else:
             yield base_name(name), tensor
     assert not held, f"LoRA entries without their B: {sorted(held)}"
@@ -76,6 +82,11 @@ def save_adapter(model, directory, master):
         # peft's names drop the adapter's name and sit under the PeftModel wrapper's
         # prefix
         weights = get_peft_model_state_dict(model, state_dict=adapter)
-        save_file({f"base_model.model.{name}": tensor.contiguous().cpu() for name, tensor in weights.items()},
-                  directory / "adapter_model.safetensors")
+        save_file(
+            {
+                f"base_model.model.{name}": tensor.contiguous().cpu()
+                for name, tensor in weights.items()
+            },
+            directory / "adapter_model.safetensors"
+        )
         model.peft_config["default"].save_pretrained(directory)

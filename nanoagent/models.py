@@ -72,9 +72,10 @@ QWEN25_ADDED_TOKENS = [
     ("<|object_ref_start|>", True), ("<|object_ref_end|>", True), ("<|box_start|>", True),
     ("<|box_end|>", True), ("<|quad_start|>", True), ("<|quad_end|>", True),
     ("<|vision_start|>", True), ("<|vision_end|>", True), ("<|vision_pad|>", True),
-    ("<|image_pad|>", True), ("<|video_pad|>", True), ("<tool_call>", False), ("</tool_call>", False),
-    ("<|fim_prefix|>", False), ("<|fim_middle|>", False), ("<|fim_suffix|>", False),
-    ("<|fim_pad|>", False), ("<|repo_name|>", False), ("<|file_sep|>", False),
+    ("<|image_pad|>", True), ("<|video_pad|>", True), ("<tool_call>", False),
+    ("</tool_call>", False), ("<|fim_prefix|>", False), ("<|fim_middle|>", False),
+    ("<|fim_suffix|>", False), ("<|fim_pad|>", False), ("<|repo_name|>", False),
+    ("<|file_sep|>", False),
 ]
 
 # Single tokens in the tiny tokenizer only (Qwen2.5 BPE-encodes them): the
@@ -118,7 +119,10 @@ def with_qwen25_tokens_and_template(tokenizer, extra_tokens=()):
     transformers tokenizer."""
     tokenizer.add_tokens([AddedToken(token, special=special, normalized=False)
                           for token, special in QWEN25_ADDED_TOKENS])
-    tokenizer.add_tokens([AddedToken(token, special=False, normalized=False) for token in extra_tokens])
+    tokenizer.add_tokens([
+        AddedToken(token, special=False, normalized=False)
+        for token in extra_tokens
+    ])
     fast = PreTrainedTokenizerFast(
         tokenizer_object=tokenizer,
         eos_token="<|im_end|>",  # the instruct models end every turn with <|im_end|>
@@ -200,8 +204,10 @@ def tiny_tokenizer():
 # num_attention_heads) are the smallest vLLM's CPU attention accepts, so the
 # VLLMSampler runs this model too. 128 wide with 4 heads: the smallest shape that
 # learns reliably (see docs/results.md).
-TINY_SHAPE = dict(hidden_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                  intermediate_size=256)
+TINY_SHAPE = dict(
+    hidden_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+    intermediate_size=256
+)
 # Copying a string of single-digit tokens (a printed number into an answer) takes
 # more depth than copying a name.
 TINY_MODELS = {"tiny": TINY_SHAPE, "tiny-deep": {**TINY_SHAPE, "num_hidden_layers": 4}}
@@ -213,16 +219,19 @@ def tiny_model(tokenizer, seed=0, **shape):
     num_hidden_layers, ...), for experiments."""
     vocab_size = (len(tokenizer) + 63) // 64 * 64  # round up, as Qwen pads 151665 tokens to 151936
     config = Qwen2Config(
-        vocab_size=vocab_size, **{**TINY_SHAPE, **shape}, max_position_embeddings=4096, rope_theta=10000.0,
-        tie_word_embeddings=True, bos_token_id=None, eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id,
+        vocab_size=vocab_size, **{**TINY_SHAPE, **shape}, max_position_embeddings=4096,
+        rope_theta=10000.0, tie_word_embeddings=True, bos_token_id=None,
+        eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
     )
     with torch.random.fork_rng(devices=[]):  # seed the init without disturbing the caller's RNG
         torch.manual_seed(seed)
         model = Qwen2ForCausalLM(config)
     # Like Qwen2.5-Instruct: stop on <|im_end|> (end of turn) or <|endoftext|>.
     model.generation_config = GenerationConfig(
-        eos_token_id=[tokenizer.convert_tokens_to_ids("<|im_end|>"), tokenizer.convert_tokens_to_ids("<|endoftext|>")],
+        eos_token_id=[
+            tokenizer.convert_tokens_to_ids("<|im_end|>"),
+            tokenizer.convert_tokens_to_ids("<|endoftext|>")
+        ],
         pad_token_id=tokenizer.pad_token_id,
     )
     return model
@@ -251,10 +260,15 @@ def sdpa_grouped(module, query, key, value, attention_mask, dropout=0.0, scaling
     every decode step. (On a GPU the TorchSampler's static decode step attends with
     sampler.grouped_decode_attention instead.)"""
     if query.device.type != "cpu" or attention_mask is None:
-        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout, scaling, **kwargs)
-    output = torch.nn.functional.scaled_dot_product_attention(query, key, value, attn_mask=attention_mask,
-                                                              dropout_p=dropout, scale=scaling, enable_gqa=True)
-    return output.transpose(1, 2).contiguous(), None  # (B, T, H, d), as transformers' attention functions return
+        return sdpa_attention_forward(
+            module, query, key, value, attention_mask, dropout, scaling, **kwargs
+        )
+    output = torch.nn.functional.scaled_dot_product_attention(
+        query, key, value, attn_mask=attention_mask, dropout_p=dropout, scale=scaling,
+        enable_gqa=True
+    )
+    # (B, T, H, d), as transformers' attention functions return
+    return output.transpose(1, 2).contiguous(), None
 
 
 AttentionInterface.register("sdpa_grouped", sdpa_grouped)
@@ -270,7 +284,9 @@ def resolve_model_path(name_or_path):
     building code itself must add what it changes to `recipe`."""
     if name_or_path in TINY_MODELS:
         shape = TINY_MODELS[name_or_path]
-        recipe = json.dumps([TINY_CORPUS, TINY_EXTRA_TOKENS, TINY_NAMES, shape, QWEN25_CHAT_TEMPLATE])
+        recipe = json.dumps([
+            TINY_CORPUS, TINY_EXTRA_TOKENS, TINY_NAMES, shape, QWEN25_CHAT_TEMPLATE
+        ])
         path = cache_dir() / f"{name_or_path}-{hashlib.sha256(recipe.encode()).hexdigest()[:10]}"
         if not (path / "config.json").exists():
             save_tiny_model(path, **shape)
@@ -284,7 +300,8 @@ def load_model(name_or_path, device="cpu", dtype=torch.float32):
     `dtype`. What cannot be loaded raises a UserError that says what to do."""
     path = resolve_model_path(name_or_path)
     directory = Path(path)
-    if directory.is_dir():  # a local checkpoint: say which part is missing instead of transformers' trace
+    # a local checkpoint: say which part is missing instead of transformers' trace
+    if directory.is_dir():
         weights = [file for pattern in ("*.safetensors", "*.bin", "*.safetensors.index.json")
                    for file in directory.glob(pattern)]
         present = {"config.json": (directory / "config.json").exists(),
@@ -296,8 +313,10 @@ def load_model(name_or_path, device="cpu", dtype=torch.float32):
     try:
         tokenizer = AutoTokenizer.from_pretrained(path)
         config = AutoConfig.from_pretrained(path, attn_implementation="sdpa_grouped")
-        model = built(lambda dtype: AutoModelForCausalLM.from_pretrained(path, config=config, dtype=dtype),
-                      AutoModelForCausalLM, path, config, dtype, device)
+        model = built(
+            lambda dtype: AutoModelForCausalLM.from_pretrained(path, config=config, dtype=dtype),
+            AutoModelForCausalLM, path, config, dtype, device
+        )
     except OSError as error:
         raise UserError(
             f"could not load model {name_or_path!r}: it is not a local checkpoint directory and could not be "
@@ -306,7 +325,9 @@ def load_model(name_or_path, device="cpu", dtype=torch.float32):
             "or use the built-in offline model: --model tiny"
         ) from error
     if not tokenizer.chat_template:
-        raise UserError(f"{name_or_path!r} has no chat template: nanoagent needs an instruct/chat model")
+        raise UserError(
+            f"{name_or_path!r} has no chat template: nanoagent needs an instruct/chat model"
+        )
     return model.to(device).eval(), tokenizer
 
 
@@ -323,7 +344,8 @@ def built(read, auto_class, path, config, dtype, device):
     else:
         with torch.device("meta"):
             model = auto_class.from_config(config, dtype=dtype)
-        if model.can_generate():  # as from_pretrained: the tokens to stop on come from generation_config.json
+        # as from_pretrained: the tokens to stop on come from generation_config.json
+        if model.can_generate():
             with contextlib.suppress(OSError):
                 model.generation_config = GenerationConfig.from_pretrained(path)
         model.read_weights = lambda: read(stored_dtype)
@@ -337,9 +359,11 @@ def sample_as_trained(model, temperature):
     (Qwen2.5-Instruct: temperature 0.7, top_p 0.8, top_k 20, repetition penalty 1.05)
     would otherwise apply silently to `model.generate` on a trained checkpoint."""
     old = model.generation_config
-    model.generation_config = GenerationConfig(do_sample=True, temperature=temperature, top_p=1.0, top_k=0,
-                                               bos_token_id=old.bos_token_id, eos_token_id=old.eos_token_id,
-                                               pad_token_id=old.pad_token_id)
+    model.generation_config = GenerationConfig(
+        do_sample=True, temperature=temperature, top_p=1.0, top_k=0,
+        bos_token_id=old.bos_token_id, eos_token_id=old.eos_token_id,
+        pad_token_id=old.pad_token_id
+    )
 
 
 def load_critic(name_or_path, device="cpu", dtype=torch.float32):
@@ -358,7 +382,8 @@ def load_critic(name_or_path, device="cpu", dtype=torch.float32):
 
     def read(dtype):
         verbosity = transformers_logging.get_verbosity()
-        transformers_logging.set_verbosity_error()  # silence the expected "score.* newly initialised" report
+        # silence the expected "score.* newly initialised" report
+        transformers_logging.set_verbosity_error()
         critic = AutoModelForTokenClassification.from_pretrained(path, config=config, dtype=dtype)
         transformers_logging.set_verbosity(verbosity)
         if not is_saved_critic:  # a policy checkpoint: the head is new, start it at zero
@@ -366,7 +391,9 @@ def load_critic(name_or_path, device="cpu", dtype=torch.float32):
             if critic.score.bias is not None:
                 torch.nn.init.zeros_(critic.score.bias)
         return critic
-    return built(read, AutoModelForTokenClassification, path, config, dtype, device).to(device).eval()
+    return built(
+        read, AutoModelForTokenClassification, path, config, dtype, device
+    ).to(device).eval()
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -388,19 +415,32 @@ def shared_prompt_hidden(model, input_ids, attention_mask, prompt_lengths):
     rest is over half the longest, this is the one batched pass, float for float."""
     width, device = input_ids.shape[1], input_ids.device
     distinct = {}  # prompt tokens -> its row in the prompt batch
-    owner = torch.tensor([distinct.setdefault(tuple(input_ids[row, :length].tolist()), len(distinct))
-                          for row, length in enumerate(prompt_lengths.tolist())], device=device)  # (B,)
+    owner = torch.tensor(
+        [
+            distinct.setdefault(tuple(input_ids[row, :length].tolist()), len(distinct))
+            for row, length in enumerate(prompt_lengths.tolist())
+        ],
+        device=device
+    )  # (B,)
     # The distinct prompts, left-padded so that each ends in the last column;
     # positions count real tokens.
     prompts = [torch.tensor(prompt, device=device) for prompt in distinct]
     prompt_ids = pad_sequence(prompts, batch_first=True, padding_side="left")  # (U, P)
-    prompt_mask = pad_sequence([torch.ones_like(prompt) for prompt in prompts], batch_first=True, padding_side="left")
-    prompt_out = model.base_model(input_ids=prompt_ids, attention_mask=prompt_mask,
-                                  position_ids=(prompt_mask.cumsum(dim=1) - 1).clamp(min=0), use_cache=True)
-    prompt_last = prompt_out.last_hidden_state[:, -1:]  # (U, 1, D): predicts each prompt's first rest token
+    prompt_mask = pad_sequence(
+        [torch.ones_like(prompt) for prompt in prompts], batch_first=True,
+        padding_side="left"
+    )
+    prompt_out = model.base_model(
+        input_ids=prompt_ids, attention_mask=prompt_mask,
+        position_ids=(prompt_mask.cumsum(dim=1) - 1).clamp(min=0), use_cache=True
+    )
+    # (U, 1, D): predicts each prompt's first rest token
+    prompt_last = prompt_out.last_hidden_state[:, -1:]
     rest_lengths = attention_mask.sum(dim=1) - prompt_lengths  # (B,)
-    length_class = (rest_lengths.max() / rest_lengths.clamp(min=1)).log2().floor()  # (B,) k: 2^k to 2^(k+1) shorter
-    batches = [(length_class == k).nonzero().squeeze(1) for k in length_class.unique()]  # (b,) each, in batch order
+    # (B,) k: 2^k to 2^(k+1) shorter
+    length_class = (rest_lengths.max() / rest_lengths.clamp(min=1)).log2().floor()
+    # (b,) each, in batch order
+    batches = [(length_class == k).nonzero().squeeze(1) for k in length_class.unique()]
     # Under FSDP2 every pass is a collective: a rank with fewer passes than another
     # runs stand-ins on one row and drops their output, kept in the autograd graph
     # so that the backward's collectives match too.
@@ -417,13 +457,18 @@ def shared_prompt_hidden(model, input_ids, attention_mask, prompt_lengths):
         columns = torch.arange(rest_width, device=device)  # (R,)
         starts = prompt_lengths[rows, None]  # (b, 1)
         rest_ids = input_ids[rows].gather(1, (starts + columns).clamp(max=width - 1))  # (b, R)
-        mask = torch.cat([prompt_mask[own], (columns < rest_lengths[rows, None]).long()], dim=1)  # (b, P + R)
-        rest_hidden = model.base_model(input_ids=rest_ids, attention_mask=mask, past_key_values=cache,
-                                       position_ids=starts + columns).last_hidden_state  # (b, R, D)
+        # (b, P + R)
+        mask = torch.cat([prompt_mask[own], (columns < rest_lengths[rows, None]).long()], dim=1)
+        rest_hidden = model.base_model(
+            input_ids=rest_ids, attention_mask=mask, past_key_values=cache,
+            position_ids=starts + columns
+        ).last_hidden_state  # (b, R, D)
         # Back to the rows' own columns: column j of `tail` is position
         # prompt_length - 1 + j.
         tail = torch.cat([prompt_last.index_select(0, own), rest_hidden], dim=1)  # (b, 1 + R, D)
         source = (torch.arange(width, device=device) - starts + 1).clamp(0, rest_width)  # (b, T)
-        passes.append(tail.gather(1, source[..., None].expand(-1, -1, tail.shape[-1]))[:used])  # (b, T, D)
+        # (b, T, D)
+        passes.append(tail.gather(1, source[..., None].expand(-1, -1, tail.shape[-1]))[:used])
         rows_in_order.append(rows[:used])
-    return torch.cat(passes).index_select(0, torch.cat(rows_in_order).argsort())  # (B, T, D), in batch order
+    # (B, T, D), in batch order
+    return torch.cat(passes).index_select(0, torch.cat(rows_in_order).argsort())

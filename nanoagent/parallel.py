@@ -75,17 +75,22 @@ def shard_model(model, device, activation_checkpointing=False):
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     if not is_sharded():
         return model
-    policy = MixedPrecisionPolicy(param_dtype=autodetect_dtype(device.type), reduce_dtype=torch.float32)
+    policy = MixedPrecisionPolicy(
+        param_dtype=autodetect_dtype(device.type), reduce_dtype=torch.float32
+    )
     for layer in model.base_model.layers:
         fully_shard(layer, mp_policy=policy)
     fully_shard(model, mp_policy=policy)
     for module in model.modules():
         if isinstance(module, FSDPModule):
             module.set_gradient_divide_factor(1.0)
-            module.set_force_sum_reduction_for_comms(True)  # a plain SUM, which every backend has (gloo has no AVG)
+            # a plain SUM, which every backend has (gloo has no AVG)
+            module.set_force_sum_reduction_for_comms(True)
     model.forward_through_root = lambda function, *args: function(*args)
-    register_fsdp_forward_method(model, "forward_through_root")  # runs it between the root's FSDP hooks
-    if hasattr(model, "read_weights"):  # built on the meta device (models.built): its shards are still empty
+    # runs it between the root's FSDP hooks
+    register_fsdp_forward_method(model, "forward_through_root")
+    # built on the meta device (models.built): its shards are still empty
+    if hasattr(model, "read_weights"):
         fill_from_rank0(model, device)
     return model
 
@@ -128,7 +133,8 @@ def most_over_ranks(model, count, device):
     """The largest `count` of any rank (one all-reduce) when `model` is sharded: how
     many forward passes every rank makes where each needs `count` (under FSDP2 each
     pass is a collective); `count` itself otherwise."""
-    if not isinstance(model, FSDPModule):  # sft.py's warm-up runs on rank 0 alone: no collective then
+    # sft.py's warm-up runs on rank 0 alone: no collective then
+    if not isinstance(model, FSDPModule):
         return count
     count = torch.tensor(count, device=device)
     dist.all_reduce(count, op=dist.ReduceOp.MAX)

@@ -38,15 +38,26 @@ from matplotlib.figure import Figure  # the object API: no pyplot, so no global 
 TRAJECTORIES = "trajectories.jsonl"
 # The curves, grouped as a reader asks: did it work, what does the agent do, is the
 # update sane, is there signal?
-CURVES = {"outcome": ["reward", "success", "eval_success"],
-          "behaviour": ["turns", "tool_calls", "invalid_call_rate", "void_turns", "response_tokens", "truncated"],
-          "optimisation": ["policy_loss", "entropy", "approx_kl", "clip_fraction", "grad_norm", "explained_variance",
-                           "value_loss"],
-          "signal": ["group_reward_std", "zero_variance_groups", "retrieval_accuracy", "mutual_information",
-                     "kept_trajectories"]}
+CURVES = {
+    "outcome": ["reward", "success", "eval_success"],
+    "behaviour": [
+        "turns", "tool_calls", "invalid_call_rate", "void_turns", "response_tokens",
+        "truncated"
+    ],
+    "optimisation": [
+        "policy_loss", "entropy", "approx_kl", "clip_fraction", "grad_norm",
+        "explained_variance", "value_loss"
+    ],
+    "signal": [
+        "group_reward_std", "zero_variance_groups", "retrieval_accuracy",
+        "mutual_information", "kept_trajectories"
+    ]
+}
 MAX_GROUPS = 50  # groups on one page, evenly spaced over the run: a long run's page stays a few MB
-TEMPLATE = jinja2.Environment(loader=jinja2.FileSystemLoader(Path(__file__).parent), autoescape=True,
-                              trim_blocks=True, lstrip_blocks=True).get_template("report.html.jinja")
+TEMPLATE = jinja2.Environment(
+    loader=jinja2.FileSystemLoader(Path(__file__).parent), autoescape=True,
+    trim_blocks=True, lstrip_blocks=True
+).get_template("report.html.jinja")
 
 # -----------------------------------------------------------------------------
 # Writing: trajectories as JSON lines
@@ -67,7 +78,8 @@ def trajectory_records(trajectories, tokenizer, step, advantages=None, old_logpr
                                                 for agent in trajectory.action_mask[prompt_length:]]
         rewards = [0.0] * len(ids)
         for position, reward in zip(trajectory.turn_end_positions, trajectory.turn_rewards):
-            rewards[position] += reward  # on the turn's last agent token, as masks.place_rewards puts it
+            # on the turn's last agent token, as masks.place_rewards puts it
+            rewards[position] += reward
         turns = []  # each assistant message and the messages the env answered it with
         for message in trajectory.messages:
             if message["role"] == "assistant":
@@ -77,14 +89,18 @@ def trajectory_records(trajectories, tokenizer, step, advantages=None, old_logpr
         for turn, reward, info in zip(turns, trajectory.turn_rewards, trajectory.turn_infos):
             turn.update(reward=reward, calls=info.get("calls", []))
         records.append({
-            "step": step, "group": trajectory.group_id, "member": members[trajectory.group_id],
-            "seed": trajectory.seed, "score": trajectory.score, "success": bool(trajectory.info["success"]),
+            "step": step, "group": trajectory.group_id,
+            "member": members[trajectory.group_id], "seed": trajectory.seed,
+            "score": trajectory.score, "success": bool(trajectory.info["success"]),
             "truncated": trajectory.truncated, "info": trajectory.info, "turns": turns,
-            "tokens": {"id": ids, "text": tokenizer.batch_decode([[token] for token in ids]),
-                       "author": authors,
-                       "reward": rewards, "sampler_logprob": rounded(trajectory.logprobs),
-                       "advantage": trainer_row(advantages, row, len(ids)),
-                       "old_logprob": trainer_row(old_logprobs, row, len(ids))}})
+            "tokens": {
+                "id": ids, "text": tokenizer.batch_decode([[token] for token in ids]),
+                "author": authors, "reward": rewards,
+                "sampler_logprob": rounded(trajectory.logprobs),
+                "advantage": trainer_row(advantages, row, len(ids)),
+                "old_logprob": trainer_row(old_logprobs, row, len(ids))
+            }
+        })
     return records
 
 
@@ -136,7 +152,9 @@ def curves_png(history, names, warned_steps):
     as base64 PNG; a dotted red line at every step with an Echo-Trap warning."""
     figure = Figure(figsize=(2.2 * len(names), 1.9), dpi=90, layout="constrained")
     for axes, name in zip(figure.subplots(1, len(names), squeeze=False)[0], names):
-        steps, values = zip(*[(metrics.get("step"), metrics[name]) for metrics in history if name in metrics])
+        steps, values = zip(
+            *[(metrics.get("step"), metrics[name]) for metrics in history if name in metrics]
+        )
         axes.plot(steps, values, marker="o" if len(steps) < 3 else None, markersize=3)
         for step in warned_steps:
             axes.axvline(step, color="red", linestyle=":", linewidth=1)
@@ -158,20 +176,28 @@ def trajectory_groups(records):
         groups[key] = [] if record.get("member") == 0 else groups.get(key, [])
         groups[key].append(record)
     keys, count = list(groups), min(len(groups), MAX_GROUPS)
-    return [(*key, groups[key]) for key in (keys[i * (len(keys) - 1) // max(1, count - 1)] for i in range(count))]
+    return [
+        (*key, groups[key])
+        for key in (keys[i * (len(keys) - 1) // max(1, count - 1)] for i in range(count))
+    ]
 
 
 def report_html(run_dir):
     """The page for a run (or eval) directory, as a string: it says what is missing
     instead of failing."""
     run_dir, problems = Path(run_dir), []
-    args = json.loads((run_dir / "args.json").read_text()) if (run_dir / "args.json").is_file() else {}
+    args = json.loads(
+        (run_dir / "args.json").read_text()
+    ) if (run_dir / "args.json").is_file() else {}
     history = read_jsonl(run_dir / "metrics.jsonl", problems)
     records = read_jsonl(run_dir / TRAJECTORIES, problems)
     last_step = max([metrics.get("step", 0) for metrics in history], default=0)
     if args.get("steps") and last_step < args["steps"]:
-        problems.append(f"step {last_step} of {args['steps']} logged: the run is still going, or stopped early")
-    fired = {}  # signal -> the steps it warned at (a run logged before signals were named: "unnamed")
+        problems.append(
+            f"step {last_step} of {args['steps']} logged: the run is still going, or stopped early"
+        )
+    # signal -> the steps it warned at (a run logged before signals were named: "unnamed")
+    fired = {}
     for metrics in history:
         signals = metrics.get("echo_trap_warnings") or []
         for signal in signals if isinstance(signals, list) else ["unnamed"]:
@@ -184,13 +210,22 @@ def report_html(run_dir):
             if name in logged and all(metrics.get(name, 0) == 0 for metrics in history)]
     plotted = {title: [name for name in names if name in logged and name not in flat]
                for title, names in CURVES.items()}
-    curves = {title: curves_png(history, names, warned) for title, names in plotted.items() if names}
+    curves = {
+        title: curves_png(history, names, warned)
+        for title, names in plotted.items() if names
+    }
     groups = trajectory_groups(records)
     return TEMPLATE.render(
-        page=True, run_dir=run_dir.resolve().name, args=args, problems=problems, curves=curves, fired=fired, flat=flat,
-        evals=[(metrics.get("step"), metrics["eval_success"]) for metrics in history if "eval_success" in metrics],
-        wall_s=max([metrics.get("elapsed_s", 0) for metrics in history], default=None), groups=groups,
-        group_count=len({(record.get("step"), record.get("group")) for record in records}))
+        page=True, run_dir=run_dir.resolve().name, args=args, problems=problems,
+        curves=curves, fired=fired, flat=flat,
+        evals=[
+            (metrics.get("step"), metrics["eval_success"])
+            for metrics in history if "eval_success" in metrics
+        ],
+        wall_s=max([metrics.get("elapsed_s", 0) for metrics in history], default=None),
+        groups=groups,
+        group_count=len({(record.get("step"), record.get("group")) for record in records})
+    )
 
 
 def trajectories_html(records):
@@ -200,8 +235,12 @@ def trajectories_html(records):
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(description="Write RUN_DIR/report.html: a run's curves and trajectories.")
-    parser.add_argument("run_dir", help="a directory train.py (--out_dir) or eval.py (--trajectories) wrote")
+    parser = argparse.ArgumentParser(
+        description="Write RUN_DIR/report.html: a run's curves and trajectories."
+    )
+    parser.add_argument(
+        "run_dir", help="a directory train.py (--out_dir) or eval.py (--trajectories) wrote"
+    )
     run_dir = Path(parser.parse_args(argv).run_dir)
     if not run_dir.is_dir():
         sys.exit(f"nanoagent.report: error: {run_dir} is not a directory")

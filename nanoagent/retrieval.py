@@ -91,10 +91,14 @@ def iter_passages(path_or_rows):
     if isinstance(path_or_rows, (str, Path)):
         path = Path(path_or_rows)
         if path.suffix == ".parquet":
-            import pyarrow.parquet  # imported here: only parquet corpora need it, and it is slow to import
+            # imported here: only parquet corpora need it, and it is slow to import
+            import pyarrow.parquet
             path_or_rows = pyarrow.parquet.read_table(path).to_pylist()
         else:
-            path_or_rows = (json.loads(line) for line in path.open(encoding="utf-8") if line.strip())
+            path_or_rows = (
+                json.loads(line)
+                for line in path.open(encoding="utf-8") if line.strip()
+            )
     for row in path_or_rows:
         if "contents" in row and "text" not in row:
             yield from_contents(str(row["contents"]))
@@ -137,7 +141,9 @@ def save_passages(passages, directory, total=None):
     on the way, so the caller indexes the same stream without holding it in memory."""
     offsets = array.array("q", [0])  # 8 bytes a passage (a list of ints would take 36)
     with open(Path(directory) / PASSAGES_FILE, "wb") as file:
-        for passage in tqdm(passages, total=total, desc="passages", unit=" passages", mininterval=2):
+        for passage in tqdm(
+            passages, total=total, desc="passages", unit=" passages", mininterval=2
+        ):
             line = json.dumps(passage, ensure_ascii=False).encode() + b"\n"
             file.write(line)
             offsets.append(offsets[-1] + len(line))
@@ -155,7 +161,8 @@ def top_k(scores: np.ndarray, k: int) -> list[tuple[int, float]]:
     candidates = np.flatnonzero(scores > 0)
     if len(candidates) > k:
         kth_best = np.partition(scores[candidates], len(candidates) - k)[len(candidates) - k]
-        candidates = candidates[scores[candidates] >= kth_best]  # ties at the k-th score all stay in
+        # ties at the k-th score all stay in
+        candidates = candidates[scores[candidates] >= kth_best]
     best = candidates[np.lexsort((candidates, -scores[candidates]))[:k]]
     return [(int(i), float(scores[i])) for i in best]
 
@@ -167,7 +174,8 @@ def import_bm25s():
     llvmlite's objects for kernels to override. bm25s' numpy scoring needs no numba."""
     if "bm25s" not in sys.modules:
         numba = sys.modules.get("numba")
-        sys.modules["numba"] = None  # `import numba` raises ImportError: bm25s takes its numpy backend
+        # `import numba` raises ImportError: bm25s takes its numpy backend
+        sys.modules["numba"] = None
         try:
             importlib.import_module("bm25s")
         finally:
@@ -189,7 +197,10 @@ class BM25Retriever:
             passages = list(passages)
             assert len(passages) > 0, "BM25 needs at least one passage"
             model = bm25s.BM25(k1=1.5, b=0.75, method="lucene")
-            model.index(token_ids(passage_text(p) for p in passages), create_empty_token=False, show_progress=False)
+            model.index(
+                token_ids(passage_text(p) for p in passages), create_empty_token=False,
+                show_progress=False
+            )
         self.passages, self.model = passages, model  # passages: a list, or a PassageStore
 
     @classmethod
@@ -199,7 +210,10 @@ class BM25Retriever:
         bm25s = import_bm25s()
         directory = Path(directory)
         directory.mkdir(parents=True, exist_ok=True)
-        ids, vocabulary = token_ids(passage_text(p) for p in save_passages(passages, directory, total))
+        ids, vocabulary = token_ids(
+            passage_text(p)
+            for p in save_passages(passages, directory, total)
+        )
         assert len(ids) > 0, "BM25 needs at least one passage"
         model = bm25s.BM25(k1=1.5, b=0.75, method="lucene")
         print(f"indexing {len(ids):,} passages, {len(vocabulary):,} distinct words", flush=True)
@@ -212,7 +226,10 @@ class BM25Retriever:
     @classmethod
     def load(cls, directory) -> "BM25Retriever":
         """The index saved by build(), memory-mapped: loading reads only the vocabulary."""
-        return cls(PassageStore(directory), import_bm25s().BM25.load(directory, mmap=True, show_progress=False))
+        return cls(
+            PassageStore(directory),
+            import_bm25s().BM25.load(directory, mmap=True, show_progress=False)
+        )
 
     def retrieve(self, queries: list[str], k: int) -> list[list[dict]]:
         """Best first, ties to the lower index; a passage sharing no word with the
@@ -223,9 +240,14 @@ class BM25Retriever:
         for query in queries:
             passage_scores = np.zeros(scores["num_docs"], dtype=np.float32)  # (N,)
             for t in (vocabulary[word] for word in tokenize(query) if word in vocabulary):
-                span = slice(indptr[t], indptr[t + 1])  # word t's postings: (passage, BM25 term) pairs
-                np.add.at(passage_scores, indices[span], data[span])  # faster than a[i] += x on long postings
-            results.append([{**self.passages[i], "id": i, "score": score} for i, score in top_k(passage_scores, k)])
+                # word t's postings: (passage, BM25 term) pairs
+                span = slice(indptr[t], indptr[t + 1])
+                # faster than a[i] += x on long postings
+                np.add.at(passage_scores, indices[span], data[span])
+            results.append([
+                {**self.passages[i], "id": i, "score": score}
+                for i, score in top_k(passage_scores, k)
+            ])
         return results
 
 
@@ -233,7 +255,10 @@ def token_ids(texts):
     """(for each text, the ids of its words; vocabulary word -> id), the input bm25s
     indexes."""
     vocabulary = {}
-    ids = [[vocabulary.setdefault(word, len(vocabulary)) for word in tokenize(text)] for text in texts]
+    ids = [
+        [vocabulary.setdefault(word, len(vocabulary)) for word in tokenize(text)]
+        for text in texts
+    ]
     return ids, vocabulary
 
 # -----------------------------------------------------------------------------
@@ -254,8 +279,10 @@ class DenseRetriever:
     @staticmethod
     def encode(encoder, texts, prefix, progress=False) -> np.ndarray:
         """(len(texts), dim) float32 unit vectors of prefix + text."""
-        return encoder.encode([prefix + text for text in texts], batch_size=256, normalize_embeddings=True,
-                              convert_to_numpy=True, show_progress_bar=progress).astype(np.float32)
+        return encoder.encode(
+            [prefix + text for text in texts], batch_size=256, normalize_embeddings=True,
+            convert_to_numpy=True, show_progress_bar=progress
+        ).astype(np.float32)
 
     @classmethod
     def build(cls, passages, directory, encoder_name, total=None, chunk=65536) -> "DenseRetriever":
@@ -288,7 +315,8 @@ class DenseRetriever:
         return cls(PassageStore(directory), SentenceTransformer(encoder_name), index)
 
     def retrieve(self, queries: list[str], k: int) -> list[list[dict]]:
-        scores, ids = self.index.search(self.encode(self.encoder, queries, QUERY_PREFIX), k)  # (B, k) each
+        # (B, k) each
+        scores, ids = self.index.search(self.encode(self.encoder, queries, QUERY_PREFIX), k)
         return [[{**self.passages[int(i)], "id": int(i), "score": float(s)}
                  for s, i in zip(row_scores, row_ids) if i >= 0]
                 for row_scores, row_ids in zip(scores, ids)]
@@ -309,7 +337,9 @@ class RemoteRetriever:
 
     def retrieve(self, queries: list[str], k: int) -> list[list[dict]]:
         body = json.dumps({"queries": queries, "topk": k, "return_scores": True}).encode()
-        request = urllib.request.Request(self.url, data=body, headers={"Content-Type": "application/json"})
+        request = urllib.request.Request(
+            self.url, data=body, headers={"Content-Type": "application/json"}
+        )
         for attempt in range(self.retries + 1):
             try:
                 with urllib.request.urlopen(request, timeout=self.timeout_s) as response:
@@ -320,7 +350,9 @@ class RemoteRetriever:
                     raise RuntimeError(f"retrieval server {self.url} failed {self.retries + 1} times, "
                                        f"last: {type(error).__name__}: {error}") from None
                 time.sleep(0.1 * 2 ** attempt)
-        assert len(result) == len(queries), f"the server answered {len(result)} lists for {len(queries)} queries"
+        assert len(
+            result
+        ) == len(queries), f"the server answered {len(result)} lists for {len(queries)} queries"
         return [[{**from_contents(hit["document"]["contents"]), "id": hit["document"].get("id"),
                   "score": hit.get("score", 0.0)} for hit in hits]
                 for hits in result]
@@ -360,8 +392,16 @@ def make_server(retriever, host="127.0.0.1", port=8000, max_topk=100) -> Threadi
                 return self.answer(400, {"error": f"bad request: {type(error).__name__}: {error}"})
             with lock:
                 hits = retriever.retrieve(queries, topk)
-            documents = [[{"document": {"id": str(hit["id"]), "contents": to_contents(hit)}, "score": hit["score"]}
-                          for hit in row] for row in hits]
+            documents = [
+                [
+                    {
+                        "document": {"id": str(hit["id"]), "contents": to_contents(hit)},
+                        "score": hit["score"]
+                    }
+                    for hit in row
+                ]
+                for row in hits
+            ]
             if not request.get("return_scores", False):  # Search-R1's default: the documents alone
                 documents = [[entry["document"] for entry in row] for row in documents]
             self.answer(200, {"result": documents})
@@ -381,18 +421,26 @@ def make_server(retriever, host="127.0.0.1", port=8000, max_topk=100) -> Threadi
 
 
 def main():
-    parser = argparse.ArgumentParser(description="Build a search index once, or serve one over Search-R1's API.")
+    parser = argparse.ArgumentParser(
+        description="Build a search index once, or serve one over Search-R1's API."
+    )
     commands = parser.add_subparsers(dest="command", required=True)
     build = commands.add_parser("build", help="index a corpus into a directory")
     build.add_argument("--corpus", required=True, help="a JSONL/parquet file of {title, text} or {contents}, "
                                                        "or a Hub dataset (needs a connected machine)")
-    build.add_argument("--data-files", help="with a Hub dataset: which of its files (e.g. wiki-18.jsonl.gz)")
+    build.add_argument(
+        "--data-files",
+        help="with a Hub dataset: which of its files (e.g. wiki-18.jsonl.gz)"
+    )
     build.add_argument("--index", required=True, help="directory to write the index to")
     build.add_argument("--dense", help="a sentence-transformers encoder (e.g. intfloat/e5-base-v2): "
                                        "dense retrieval instead of BM25")
     serve = commands.add_parser("serve", help="serve an index over HTTP: POST /retrieve")
     serve.add_argument("--index", required=True, help="an index directory written by build")
-    serve.add_argument("--host", default="0.0.0.0", help="0.0.0.0 serves other nodes; 127.0.0.1 this one only")
+    serve.add_argument(
+        "--host", default="0.0.0.0",
+        help="0.0.0.0 serves other nodes; 127.0.0.1 this one only"
+    )
     serve.add_argument("--port", type=int, default=8000)
     args = parser.parse_args()
     if args.command == "build":

@@ -46,7 +46,8 @@ import time
 import warnings
 from dataclasses import dataclass
 
-MAX_CODE_BYTES = 1_000_000  # far beyond a program a policy writes in one turn: bigger is a sampling bug
+# far beyond a program a policy writes in one turn: bigger is a sampling bug
+MAX_CODE_BYTES = 1_000_000
 NOBODY = 65534  # the unprivileged uid and gid (nobody, nogroup) every Linux has
 _BWRAP = shutil.which("bwrap")
 _probe_lock = threading.Lock()
@@ -61,7 +62,8 @@ class Limits:
     output_bytes: int = 4096  # stdout + stderr the model reads back; past it the program is stopped
     file_mb: int = 16  # the largest file it may write (RLIMIT_FSIZE); not the number of files
     open_files: int = 64  # RLIMIT_NOFILE
-    processes: int = 64  # RLIMIT_NPROC, threads included, where the program has a uid of its own (see above)
+    # RLIMIT_NPROC, threads included, where the program has a uid of its own (see above)
+    processes: int = 64
 
 
 def run_python(code: str, limits: Limits = Limits()) -> tuple[str, bool]:
@@ -69,18 +71,24 @@ def run_python(code: str, limits: Limits = Limits()) -> tuple[str, bool]:
     ok): its stdout then stderr, cut at limits.output_bytes, then a "[sandbox: ...]"
     line unless it exited with status 0 (ok). Never raises, never outlives
     limits.timeout_s by more than about a second, and is safe to call from threads."""
-    try:  # fails for what is not a str, and for a lone surrogate (invalid UTF-8 decoded with "surrogateescape")
+    # fails for what is not a str, and for a lone surrogate (invalid UTF-8 decoded with "surrogateescape")
+    try:
         source = code.encode("utf-8")
     except (AttributeError, UnicodeEncodeError) as error:
         return f"[sandbox: the code is not valid text ({error}); not run]", False
-    if b"\0" in source:  # Python versions disagree on it (3.11 stops reading there, 3.12 refuses the file)
+    # Python versions disagree on it (3.11 stops reading there, 3.12 refuses the file)
+    if b"\0" in source:
         return "[sandbox: the code contains a NUL byte; not run]", False
     if len(source) > MAX_CODE_BYTES:
         return f"[sandbox: the code is {len(source)} bytes, over the limit of {MAX_CODE_BYTES}; not run]", False
     try:
         active = layers()
-        return _run(source, limits, bwrap="bubblewrap" in active, as_nobody="unprivileged uid" in active)
-    except Exception as error:  # a failure to set up is one more thing the model reads, never the trainer's crash
+        return _run(
+            source, limits, bwrap="bubblewrap" in active,
+            as_nobody="unprivileged uid" in active
+        )
+    # a failure to set up is one more thing the model reads, never the trainer's crash
+    except Exception as error:
         return f"[sandbox: could not run the code: {type(error).__name__}: {error}]", False
 
 
@@ -110,7 +118,9 @@ def _probe() -> tuple[str, ...]:
 
 def _run(source: bytes, limits: Limits, bwrap: bool, as_nobody: bool) -> tuple[str, bool]:
     token = os.urandom(8).hex()  # marks every process of this call (see _kill)
-    with tempfile.TemporaryDirectory(prefix="nanoagent-sandbox-", ignore_cleanup_errors=True) as workdir:
+    with tempfile.TemporaryDirectory(
+        prefix="nanoagent-sandbox-", ignore_cleanup_errors=True
+    ) as workdir:
         with open(os.path.join(workdir, "main.py"), "wb") as file:
             file.write(source)
         if as_nobody:  # the work directory is the one place nobody may write
@@ -120,7 +130,8 @@ def _run(source: bytes, limits: Limits, bwrap: bool, as_nobody: bool) -> tuple[s
                "NANOAGENT_SANDBOX": token}
         # Any Python 3 will do: ours, unless nobody or bubblewrap may not reach it
         # (outside /usr): the system's
-        python = os.path.realpath(sys.executable)  # a virtual environment's python links to its base interpreter
+        # a virtual environment's python links to its base interpreter
+        python = os.path.realpath(sys.executable)
         if (bwrap or as_nobody) and not python.startswith("/usr/"):
             python = "/usr/bin/python3"
         # util-linux's prlimit sets the limits, then execs the program: not Popen's
@@ -129,7 +140,8 @@ def _run(source: bytes, limits: Limits, bwrap: bool, as_nobody: bool) -> tuple[s
         rlimits = [f"--cpu={limits.cpu_s}:{limits.cpu_s + 1}",  # SIGXCPU first, SIGKILL a second later
                    f"--as={limits.memory_mb << 20}", f"--fsize={limits.file_mb << 20}", f"--nofile={limits.open_files}",
                    "--core=0"]
-        if bwrap or as_nobody:  # RLIMIT_NPROC counts every process and thread of the uid: not where it is ours
+        # RLIMIT_NPROC counts every process and thread of the uid: not where it is ours
+        if bwrap or as_nobody:
             rlimits.append(f"--nproc={limits.processes}")
         # -u: what it printed before a time-out still comes back. prlimit is found
         # on PATH, in the sandbox too.
@@ -141,17 +153,26 @@ def _run(source: bytes, limits: Limits, bwrap: bool, as_nobody: bool) -> tuple[s
                     "--ro-bind", "/usr", "/usr", "--ro-bind-try", "/bin", "/bin", "--ro-bind-try", "/lib", "/lib",
                     "--ro-bind-try", "/lib64", "/lib64", "--proc", "/proc", "--dev", "/dev", "--tmpfs", "/tmp",
                     "--bind", workdir, "/sandbox", "--chdir", "/sandbox", "--", *argv]
-        nobody = {"user": NOBODY, "group": NOBODY, "extra_groups": []} if as_nobody else {}  # bwrap, too, is nobody
-        with subprocess.Popen(argv, cwd=workdir, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-                              stderr=subprocess.PIPE, start_new_session=True, **nobody) as proc:  # reaped on exit
+        # bwrap, too, is nobody
+        nobody = {"user": NOBODY, "group": NOBODY, "extra_groups": []} if as_nobody else {}
+        with subprocess.Popen(
+            argv, cwd=workdir, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE, start_new_session=True, **nobody
+        ) as proc:  # reaped on exit
             try:
-                stdout, stderr, stopped = _collect(proc, limits, kill=lambda: _kill(proc, token, bwrap))
+                stdout, stderr, stopped = _collect(
+                    proc, limits, kill=lambda: _kill(proc, token, bwrap)
+                )
             finally:
-                with contextlib.suppress(ProcessLookupError):  # bwrap, should it still run; the group, in any case
-                    os.killpg(proc.pid, signal.SIGKILL)  # its leader is not reaped yet: the group id is still ours
+                # bwrap, should it still run; the group, in any case
+                with contextlib.suppress(ProcessLookupError):
+                    # its leader is not reaped yet: the group id is still ours
+                    os.killpg(proc.pid, signal.SIGKILL)
     returncode = proc.returncode
-    if bwrap and returncode - 128 in signal.valid_signals():  # bwrap says "killed by signal N" as a shell does,
-        returncode = 128 - returncode  # with exit status 128 + N (so sys.exit(137) reads as SIGKILL there)
+    # bwrap says "killed by signal N" as a shell does,
+    if bwrap and returncode - 128 in signal.valid_signals():
+        # with exit status 128 + N (so sys.exit(137) reads as SIGKILL there)
+        returncode = 128 - returncode
     # What the model reads: the output, then how the program ended, unless it ended
     # well
     text = (stdout + stderr)[:limits.output_bytes].decode("utf-8", errors="replace")
@@ -178,7 +199,8 @@ def _collect(proc: subprocess.Popen, limits: Limits, kill) -> tuple[bytes, bytes
     second at most. Returns (stdout, stderr, "" or why stopped)."""
     output = {proc.stdout.fileno(): bytearray(), proc.stderr.fileno(): bytearray()}
     deadline, stopped, killed = time.monotonic() + limits.timeout_s, "", False
-    exit_fd = os.pidfd_open(proc.pid)  # readable once the program (or bwrap) has exited; it is not reaped
+    # readable once the program (or bwrap) has exited; it is not reaped
+    exit_fd = os.pidfd_open(proc.pid)
     try:
         with selectors.DefaultSelector() as selector:
             for fd in [*output, exit_fd]:
@@ -198,7 +220,8 @@ def _collect(proc: subprocess.Popen, limits: Limits, kill) -> tuple[bytes, bytes
                 if not killed and (stopped or timeout <= 0 or exit_fd not in selector.get_map()):
                     stopped = stopped or ("time-out" if timeout <= 0 else "")
                     kill()
-                    killed, deadline = True, time.monotonic() + 1.0  # then stop: one we missed may hold a pipe
+                    # then stop: one we missed may hold a pipe
+                    killed, deadline = True, time.monotonic() + 1.0
     finally:
         if not killed:
             kill()
@@ -217,7 +240,8 @@ def _kill(proc: subprocess.Popen, token: str, bwrap: bool) -> None:
     for _ in range(10):  # a process may fork while we look: look again until a pass finds nothing
         found = False
         for pid in filter(str.isdigit, os.listdir("/proc")):
-            with contextlib.suppress(OSError), open(f"/proc/{pid}/environ", "rb") as file:  # gone, or not ours
+            # gone, or not ours
+            with contextlib.suppress(OSError), open(f"/proc/{pid}/environ", "rb") as file:
                 if marker in file.read().split(b"\0") and not (bwrap and int(pid) == proc.pid):
                     os.kill(int(pid), signal.SIGKILL)  # (a dead process's environ reads empty)
                     found = True
