@@ -2,26 +2,24 @@
 so a crash loses nothing.
 
     out_dir/
-      step_000100/            policy: config.json, model.safetensors, tokenizer files (save_pretrained)
-        adapter/              with --lora_rank: the LoRA adapter alone, in peft's format (the policy is merged)
-        critic/               PPO's critic, also an HF directory
-        optimizer/            the fp32 master weights and the optimizers' states, sharded as in training
-                              (torch.distributed.checkpoint)
-        trainer_state.pt      step, RNG states, metrics history: the rest of what an exact resume needs
-        manifest.json         every file above with its size, written last: the mark of a complete checkpoint
+      step_000100/        policy: config.json, model.safetensors, tokenizer files
+        adapter/          with --lora_rank: the LoRA adapter alone, in peft's format
+        critic/           PPO's critic, also an HF directory
+        optimizer/        the fp32 master weights and the optimizers' states, sharded
+                          as in training (torch.distributed.checkpoint)
+        trainer_state.pt  step, RNG states, metrics history: the rest of a resume
+        manifest.json     every file above with its size, written last: the mark of
+                          a complete checkpoint
 
-The policy directory is an ordinary HF checkpoint, so
-`eval.py --model out_dir/step_000100` and vLLM load it directly. It is written in
-the dtype the model came in (bf16 for Qwen2.5: what its users expect, and half the
-size), each tied parameter once; training's fp32 master weights go to optimizer/
-with the optimizer states, so `--resume` continues from them exactly. Those shards
-load back on another number of ranks (or into one unsharded process).
-A save goes to a temporary directory, is flushed to disk, and only then is renamed
-into place, so a process killed mid-save (or a full disk) leaves the earlier
-checkpoints as they were. A checkpoint is written while training goes on:
-save_checkpoint takes CPU copies of what it holds (its only time on the training's
-path) and a background thread writes them; the next save and the end of training
-wait for it (finish_checkpoint).
+The policy directory is an ordinary HF checkpoint (`eval.py --model DIR` and vLLM
+load it), in the dtype the model came in (bf16 for Qwen2.5: half the size), each
+tied parameter once; training's fp32 master weights go to optimizer/, so `--resume`
+continues from them exactly, on any number of ranks.
+A save goes to a temporary directory, is flushed to disk, and only then renamed into
+place, so a process killed mid-save (or a full disk) leaves the earlier checkpoints
+as they were. save_checkpoint takes CPU copies of what it holds (its only time on
+the training's path) and a background thread writes them while training goes on;
+the next save and the end of training wait for it (finish_checkpoint).
 """
 
 import copy
@@ -47,8 +45,7 @@ from nanoagent.lora import save_adapter
 from nanoagent.parallel import full_state_dict, is_sharded
 
 MANIFEST = "manifest.json"
-# {policy: the dcp writer of its run's optimizer/ shards}
-SHARD_WRITERS = weakref.WeakKeyDictionary()
+SHARD_WRITERS = weakref.WeakKeyDictionary()  # {policy: the dcp writer of its shards}
 # torch.distributed.checkpoint warns at every save and load that no process group is
 # up: without torchrun that is the plan (no_dist=True). A filter for good, as the
 # background thread's saves warn after any `with` has ended.
@@ -58,8 +55,7 @@ warnings.filterwarnings(
 
 
 def fsync_tree(directory):
-    """Flush every file and directory under `directory` to disk: a rename is durable
-    only once its data is."""
+    """Flush all under `directory` to disk: a rename is durable only once its data is."""
     for root, _, files in os.walk(directory):
         for name in files:
             with open(os.path.join(root, name), "rb") as handle:
@@ -71,12 +67,11 @@ def fsync_tree(directory):
 
 def temporary_sibling(path, collective=False):
     """A new empty directory beside `path` to write it in (a killed process's leftovers
-    removed). collective: every rank calls this and gets the one directory rank 0 made."""
+    removed). collective: every rank gets the one rank 0 made."""
     tmp = None
     if not collective or dist.get_rank() == 0:
         path.parent.mkdir(parents=True, exist_ok=True)
-        # left by a process killed while saving this path
-        for stale in path.parent.glob(f".{path.name}.tmp*"):
+        for stale in path.parent.glob(f".{path.name}.tmp*"):  # a killed process's
             shutil.rmtree(stale, ignore_errors=True)
         tmp = Path(tempfile.mkdtemp(dir=path.parent, prefix=f".{path.name}.tmp"))
     if collective:
@@ -87,7 +82,7 @@ def temporary_sibling(path, collective=False):
 
 
 def move_into_place(tmp, path):
-    """Flush the directory tmp to disk, then rename it to `path`, replacing an older one."""
+    """Flush the directory tmp to disk, then rename it to `path` (replacing one)."""
     fsync_tree(tmp)
     if path.exists():
         shutil.rmtree(path)
@@ -96,14 +91,13 @@ def move_into_place(tmp, path):
 
 def save_atomically(path, save_fn):
     """Call save_fn(tmp_dir) on a temporary sibling of `path`, flush it, then rename it to
-    `path`, unless `path` exists: made once, under a lock beside it, so two processes
-    building one cache entry at once (a sweep's runs) neither remove the other's temporary
-    directory nor replace what it loads; the one that waited keeps it."""
+    `path`, unless `path` exists: under a lock beside it, so two processes building one
+    cache entry at once (a sweep's runs) neither remove the other's temporary directory
+    nor replace what it loads; the one that waited keeps it."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     with open(path.parent / f".{path.name}.lock", "w") as lock:
-        # released when the file is closed, or when its process dies
-        fcntl.flock(lock, fcntl.LOCK_EX)
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when closed, or when its process dies
         if path.exists():
             return path
         tmp = temporary_sibling(path)
@@ -126,28 +120,24 @@ def save_checkpoint(out_dir, step, policy, tokenizer, trainer_state, critic=None
     """Start writing out_dir/step_{step:06d} as the module docstring lays it out;
     returns a Future for finish_checkpoint. optimizers: {name: (model, optimizer)}.
     Under a process group every rank calls it (the gathers and the optimizer shards
-    are collective). What the files hold is copied to CPU memory now, so the
-    training that goes on does not change it; rank 0 writes the rest once every
-    rank's shards are written."""
+    are collective); rank 0 writes the rest once every rank's shards are written."""
     out_dir = Path(out_dir)
     path, master = out_dir / f"step_{step:06d}", not is_sharded() or dist.get_rank() == 0
     tmp = temporary_sibling(path, collective=is_sharded())
-    exports = [(model, subdirectory, full_state_dict(model, model.stored_dtype))  # the dtype it came in (models.built)
-               for model, subdirectory in ((policy, tmp), (critic, tmp / "critic")) if model is not None]
+    exports = [  # in the dtype each came in (models.built)
+        (model, subdirectory, full_state_dict(model, model.stored_dtype))
+        for model, subdirectory in ((policy, tmp), (critic, tmp / "critic")) if model is not None
+    ]
     for model, subdirectory, _ in exports:
-        # --lora_rank: the adapter alone too (the export is merged); small
-        if hasattr(model, "peft_config"):
+        if hasattr(model, "peft_config"):  # --lora_rank: the adapter alone too; small
             save_adapter(model, subdirectory / "adapter", master)
     # The shards are staged in CPU memory now (from a GPU, into pinned buffers the
-    # run's writer keeps, far faster than fresh pageable memory: docs/gpu.md) and
-    # written by dcp's own thread, with collectives on a group of their own: the
-    # training's run on the default group meanwhile (two threads' calls on one group
-    # would interleave).
-    # the run's first save: its writer makes the buffers
-    if optimizers and policy not in SHARD_WRITERS:
-        SHARD_WRITERS[policy] = dcp.FileSystemWriter(
-            tmp, cache_staged_state_dict=torch.cuda.is_available()
-        )
+    # run's writer keeps: docs/gpu.md) and written by dcp's own thread, with
+    # collectives on a group of their own: the training's run on the default group
+    # meanwhile (two threads' calls on one group would interleave).
+    if optimizers and policy not in SHARD_WRITERS:  # the first save: its writer makes them
+        cache = torch.cuda.is_available()
+        SHARD_WRITERS[policy] = dcp.FileSystemWriter(tmp, cache_staged_state_dict=cache)
     shards = dcp.async_save(
         training_states(optimizers), checkpoint_id=tmp / "optimizer",
         no_dist=not is_sharded(), storage_writer=SHARD_WRITERS.get(policy),
@@ -158,45 +148,46 @@ def save_checkpoint(out_dir, step, policy, tokenizer, trainer_state, critic=None
     def write():
         try:
             if shards:
-                # every rank's shards are written: the coordinator gathers their results last
-                shards.result()
-            # save_pretrained writes the fp32 masters' dtype into config.json, and FSDP's class name
-            if master:
+                shards.result()  # every rank's shards are written (gathered last)
+            if master:  # save_pretrained writes the fp32 dtype and FSDP's class name: fix them
                 for model, subdirectory, state_dict in exports:
                     model.save_pretrained(subdirectory, state_dict=state_dict)
                     config_file = subdirectory / "config.json"
                     config = json.loads(config_file.read_text())
-                    config.update(dtype=str(model.stored_dtype).removeprefix("torch."),
-                                  architectures=[type(model).__name__.removeprefix("FSDP")])
+                    config.update(
+                        dtype=str(model.stored_dtype).removeprefix("torch."),
+                        architectures=[type(model).__name__.removeprefix("FSDP")]
+                    )
                     config_file.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
                 tokenizer.save_pretrained(tmp)
                 torch.save(trainer_state, tmp / "trainer_state.pt")
-                (tmp / MANIFEST).write_text(
-                    json.dumps({"step": step, "files": file_sizes(tmp)}, indent=1)
-                )
+                manifest = {"step": step, "files": file_sizes(tmp)}
+                (tmp / MANIFEST).write_text(json.dumps(manifest, indent=1))
                 move_into_place(tmp, path)
         except OSError as error:
             previous = latest_checkpoint(out_dir)
-            intact = (f"the newest complete checkpoint, {previous.name}, is intact" if previous
-                      else "no earlier checkpoint exists")
-            raise UserError(f"could not write the checkpoint of step {step} in {out_dir} ({error}); {intact}: "
-                            "make room (or fix the directory) and continue with --resume") from error
+            intact = (
+                f"the newest complete checkpoint, {previous.name}, is intact" if previous
+                else "no earlier checkpoint exists"
+            )
+            raise UserError(
+                f"could not write the checkpoint of step {step} in {out_dir} ({error});"
+                f" {intact}: make room (or fix the directory) and continue with --resume"
+            ) from error
         finally:
             if master:
                 shutil.rmtree(tmp, ignore_errors=True)
         return path
 
-    # not a daemon: a process that ends (or fails) waits for it
-    executor = ThreadPoolExecutor(max_workers=1)
+    executor = ThreadPoolExecutor(max_workers=1)  # not a daemon: an exit waits for it
     saving = executor.submit(write)
     executor.shutdown(wait=False)  # its thread ends with the write
     return saving
 
 
 def finish_checkpoint(saving):
-    """Wait for save_checkpoint's Future (None: nothing to wait for); raise its
-    UserError (a full disk). Every rank calls it: before the next save (one at a
-    time) and at the end of training."""
+    """Wait for save_checkpoint's Future (if not None); raise its UserError (a full
+    disk). Every rank calls it: before the next save and at the end of training."""
     if saving is not None:
         saving.result()
         if is_sharded():
@@ -205,14 +196,13 @@ def finish_checkpoint(saving):
 
 @functools.cache
 def background_group():
-    """A gloo group of every rank for the background saves' collectives (on CPU,
-    whatever the default's backend)."""
+    """A gloo group of every rank for the background saves' collectives (on CPU)."""
     return dist.new_group(backend="gloo")
 
 
 def training_states(optimizers):
-    """{name: {"weights": the fp32 masters, "optimizer": its state}} of {name:
-    (model, optimizer)}, as this rank's shards: what optimizer/ holds."""
+    """{name: {"weights": the fp32 masters, "optimizer": its state}} of
+    {name: (model, optimizer)}, as this rank's shards: what optimizer/ holds."""
     return {
         name: {
             "weights": get_model_state_dict(model),
@@ -224,19 +214,18 @@ def training_states(optimizers):
 
 def load_training_states(path, optimizers):
     """Restore the fp32 master weights and the optimizers saved with a checkpoint,
-    resharded to this run's ranks (any number of them). optimizers: {name: (model,
-    optimizer)} as for save_checkpoint, the models sharded."""
+    resharded to this run's ranks. optimizers: as for save_checkpoint, sharded."""
     states = training_states(optimizers)
-    # in place, into the shards
-    dcp.load(states, checkpoint_id=Path(path) / "optimizer", no_dist=not is_sharded())
+    optimizer_dir = Path(path) / "optimizer"
+    dcp.load(states, checkpoint_id=optimizer_dir, no_dist=not is_sharded())  # into the shards
     for name, (model, optimizer) in optimizers.items():
         set_model_state_dict(model, states[name]["weights"])
         set_optimizer_state_dict(model, optimizer, states[name]["optimizer"])
 
 
 def checkpoint_problem(path):
-    """None if `path` is a complete checkpoint (its manifest lists every file at its
-    size), else what is wrong."""
+    """None if `path` is complete (its manifest lists every file at its size), else
+    what is wrong."""
     manifest = Path(path) / MANIFEST
     if not manifest.exists():
         return "no manifest: the save did not finish"
@@ -255,7 +244,7 @@ def checkpoint_problem(path):
 
 def latest_checkpoint(out_dir):
     """The newest complete step_* directory in out_dir, or None; a partial or
-    corrupted one (a crash, a disk error, a hand edit) is reported and skipped."""
+    corrupted one (a crash, a disk error) is reported and skipped."""
     for path in sorted(Path(out_dir).glob("step_*"), key=lambda path: path.name, reverse=True):
         problem = checkpoint_problem(path)
         if problem is None:

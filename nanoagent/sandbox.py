@@ -9,27 +9,25 @@ call; not an attacker with a kernel exploit (no seccomp filter; the kernel is
 shared). `layers()` names the layers here:
 
 1. "process" (always). A new session per call in a fresh temporary directory, stdin
-   closed, four environment variables and none of ours; isolated Python (`-I -S`: no
-   PYTHON* variables, no site-packages), so the project cannot be imported; hard
-   limits on CPU, memory, file size, open files and core dumps (util-linux's prlimit
-   sets them, then execs the program); at the time-out or the output cap we kill the
-   process group and every process with the call's token in its environment (which
-   one that left the group keeps). Not stopped: what our uid may do (write the
-   repository, signal the trainer, read its /proc/PID/environ), the network, forks,
-   a process that leaves the group and replaces its environment.
+   closed, four environment variables and none of ours; isolated Python (`-I -S`),
+   so the project cannot be imported; hard limits on CPU, memory, file size, open
+   files and core dumps (util-linux's prlimit); at the time-out or the output cap we
+   kill the process group and every process with the call's token in its
+   environment. Not stopped: what our uid may do (write the repository, signal the
+   trainer, read its /proc/PID/environ), the network, forks, a process that leaves
+   the group and replaces its environment.
 2. "unprivileged uid" (when we are root, as CI is). The program runs as nobody, with
-   no groups: it cannot write what root owns, read root-only files (/root) or signal
-   the trainer; RLIMIT_NPROC caps its processes. Not stopped: what any user may read
-   (/etc) or write (/tmp), the network; calls running at once are all nobody: they
-   may signal each other and share the process cap, where killed processes count
-   until init reaps them.
+   no groups: it cannot write what root owns, read /root or signal the trainer;
+   RLIMIT_NPROC caps its processes. Not stopped: what any user may read (/etc) or
+   write (/tmp), the network; calls running at once are all nobody: they may signal
+   each other and share the process cap.
 3. "bubblewrap" (`apt-get install bubblewrap`). Namespaces: the program sees a
    read-only /usr (and /bin, /lib), its work directory, a private /tmp, /proc, /dev,
    nothing else; no network but its own loopback; uid 65534 in a user namespace,
    where RLIMIT_NPROC counts this call's processes (Linux >= 5.14); a PID namespace,
-   so all it started dies with it, whatever its session or environment. Not stopped:
-   kernel bugs, and many files each under the size cap (memory in /tmp, disk in the
-   work directory) until the time-out.
+   so all it started dies with it. Not stopped: kernel bugs, and many files each
+   under the size cap (memory in /tmp, disk in the work directory) until the
+   time-out.
 """
 
 import contextlib
@@ -46,8 +44,7 @@ import time
 import warnings
 from dataclasses import dataclass
 
-# far beyond a program a policy writes in one turn: bigger is a sampling bug
-MAX_CODE_BYTES = 1_000_000
+MAX_CODE_BYTES = 1_000_000  # far beyond a program a policy writes: bigger is a sampling bug
 NOBODY = 65534  # the unprivileged uid and gid (nobody, nogroup) every Linux has
 _BWRAP = shutil.which("bwrap")
 _probe_lock = threading.Lock()
@@ -59,11 +56,10 @@ class Limits:
     timeout_s: float = 5.0  # wall clock; then the whole sandbox is killed
     cpu_s: int = 5  # CPU seconds (RLIMIT_CPU)
     memory_mb: int = 512  # address space (RLIMIT_AS)
-    output_bytes: int = 4096  # stdout + stderr the model reads back; past it the program is stopped
+    output_bytes: int = 4096  # stdout + stderr the model reads back; past it the program stops
     file_mb: int = 16  # the largest file it may write (RLIMIT_FSIZE); not the number of files
     open_files: int = 64  # RLIMIT_NOFILE
-    # RLIMIT_NPROC, threads included, where the program has a uid of its own (see above)
-    processes: int = 64
+    processes: int = 64  # RLIMIT_NPROC, threads included, where the uid is its own (see above)
 
 
 def run_python(code: str, limits: Limits = Limits()) -> tuple[str, bool]:
@@ -71,24 +67,20 @@ def run_python(code: str, limits: Limits = Limits()) -> tuple[str, bool]:
     ok): its stdout then stderr, cut at limits.output_bytes, then a "[sandbox: ...]"
     line unless it exited with status 0 (ok). Never raises, never outlives
     limits.timeout_s by more than about a second, and is safe to call from threads."""
-    # fails for what is not a str, and for a lone surrogate (invalid UTF-8 decoded with "surrogateescape")
-    try:
+    try:  # fails for a non-str, and for a lone surrogate (from "surrogateescape")
         source = code.encode("utf-8")
     except (AttributeError, UnicodeEncodeError) as error:
         return f"[sandbox: the code is not valid text ({error}); not run]", False
-    # Python versions disagree on it (3.11 stops reading there, 3.12 refuses the file)
-    if b"\0" in source:
+    if b"\0" in source:  # Python versions disagree on it (3.11 stops there, 3.12 refuses)
         return "[sandbox: the code contains a NUL byte; not run]", False
     if len(source) > MAX_CODE_BYTES:
-        return f"[sandbox: the code is {len(source)} bytes, over the limit of {MAX_CODE_BYTES}; not run]", False
+        too_long = f"the code is {len(source)} bytes, over the limit of {MAX_CODE_BYTES}"
+        return f"[sandbox: {too_long}; not run]", False
     try:
         active = layers()
-        return _run(
-            source, limits, bwrap="bubblewrap" in active,
-            as_nobody="unprivileged uid" in active
-        )
-    # a failure to set up is one more thing the model reads, never the trainer's crash
-    except Exception as error:
+        as_nobody = "unprivileged uid" in active
+        return _run(source, limits, bwrap="bubblewrap" in active, as_nobody=as_nobody)
+    except Exception as error:  # a failure to set up is what the model reads, not a crash
         return f"[sandbox: could not run the code: {type(error).__name__}: {error}]", False
 
 
@@ -108,11 +100,16 @@ def _probe() -> tuple[str, ...]:
         text, ok = _run(b"", Limits(), bwrap=True, as_nobody="unprivileged uid" in found)
         if ok:
             return found + ("bubblewrap",)
-        problem = (f"({_BWRAP}) cannot start a sandbox here ({text.strip()}); allow user namespaces (sysctl"
-                   " kernel.unprivileged_userns_clone=1, or kernel.apparmor_restrict_unprivileged_userns=0 on Ubuntu)")
-    warnings.warn(f"bubblewrap {problem}. Without it the model's code may reach the network and every file its uid"
-                  " may, and a process that leaves its session and environment outlives the call", RuntimeWarning,
-                  stacklevel=3)
+        problem = (
+            f"({_BWRAP}) cannot start a sandbox here ({text.strip()}); allow user"
+            " namespaces (sysctl kernel.unprivileged_userns_clone=1, or"
+            " kernel.apparmor_restrict_unprivileged_userns=0 on Ubuntu)"
+        )
+    warnings.warn(
+        f"bubblewrap {problem}. Without it the model's code may reach the network and"
+        " every file its uid may, and a process that leaves its session and"
+        " environment outlives the call", RuntimeWarning, stacklevel=3
+    )
     return found
 
 
@@ -126,33 +123,11 @@ def _run(source: bytes, limits: Limits, bwrap: bool, as_nobody: bool) -> tuple[s
         if as_nobody:  # the work directory is the one place nobody may write
             os.chown(workdir, NOBODY, NOBODY)
             os.chown(file.name, NOBODY, NOBODY)
-        env = {"PATH": "/usr/bin:/bin", "HOME": "/sandbox" if bwrap else workdir, "LANG": "C.UTF-8",
-               "NANOAGENT_SANDBOX": token}
-        # Any Python 3 will do: ours, unless nobody or bubblewrap may not reach it
-        # (outside /usr): the system's
-        # a virtual environment's python links to its base interpreter
-        python = os.path.realpath(sys.executable)
-        if (bwrap or as_nobody) and not python.startswith("/usr/"):
-            python = "/usr/bin/python3"
-        # util-linux's prlimit sets the limits, then execs the program: not Popen's
-        # preexec_fn (it can deadlock in threads), nor a Python prelude (a second
-        # interpreter start: a third of a call's time)
-        rlimits = [f"--cpu={limits.cpu_s}:{limits.cpu_s + 1}",  # SIGXCPU first, SIGKILL a second later
-                   f"--as={limits.memory_mb << 20}", f"--fsize={limits.file_mb << 20}", f"--nofile={limits.open_files}",
-                   "--core=0"]
-        # RLIMIT_NPROC counts every process and thread of the uid: not where it is ours
-        if bwrap or as_nobody:
-            rlimits.append(f"--nproc={limits.processes}")
-        # -u: what it printed before a time-out still comes back. prlimit is found
-        # on PATH, in the sandbox too.
-        argv = ["prlimit", *rlimits, "--", python, "-I", "-S", "-u", "-X", "utf8", "main.py"]
-        if bwrap:  # it passes on the environment Popen gives it, and sets PWD
-            argv = [_BWRAP, "--unshare-user", "--uid", str(NOBODY), "--gid", str(NOBODY),  # not root, even inside
-                    "--unshare-pid", "--die-with-parent",  # a PID namespace of its own, which dies if we do
-                    "--unshare-net", "--unshare-ipc", "--unshare-uts", "--new-session",  # no network, no terminal
-                    "--ro-bind", "/usr", "/usr", "--ro-bind-try", "/bin", "/bin", "--ro-bind-try", "/lib", "/lib",
-                    "--ro-bind-try", "/lib64", "/lib64", "--proc", "/proc", "--dev", "/dev", "--tmpfs", "/tmp",
-                    "--bind", workdir, "/sandbox", "--chdir", "/sandbox", "--", *argv]
+        env = {
+            "PATH": "/usr/bin:/bin", "HOME": "/sandbox" if bwrap else workdir,
+            "LANG": "C.UTF-8", "NANOAGENT_SANDBOX": token
+        }
+        argv = _command(limits, workdir, bwrap, as_nobody)
         # bwrap, too, is nobody
         nobody = {"user": NOBODY, "group": NOBODY, "extra_groups": []} if as_nobody else {}
         with subprocess.Popen(
@@ -163,18 +138,52 @@ def _run(source: bytes, limits: Limits, bwrap: bool, as_nobody: bool) -> tuple[s
                 stdout, stderr, stopped = _collect(
                     proc, limits, kill=lambda: _kill(proc, token, bwrap)
                 )
-            finally:
-                # bwrap, should it still run; the group, in any case
+            finally:  # bwrap, should it still run; the group, in any case
                 with contextlib.suppress(ProcessLookupError):
                     # its leader is not reaped yet: the group id is still ours
                     os.killpg(proc.pid, signal.SIGKILL)
     returncode = proc.returncode
-    # bwrap says "killed by signal N" as a shell does,
+    # bwrap says "killed by signal N" as a shell does, with exit status 128 + N (so
+    # sys.exit(137) reads as SIGKILL there)
     if bwrap and returncode - 128 in signal.valid_signals():
-        # with exit status 128 + N (so sys.exit(137) reads as SIGKILL there)
         returncode = 128 - returncode
-    # What the model reads: the output, then how the program ended, unless it ended
-    # well
+    return _what_the_model_reads(stdout, stderr, stopped, returncode, limits)
+
+
+def _command(limits: Limits, workdir: str, bwrap: bool, as_nobody: bool) -> list[str]:
+    """The argv that runs main.py: prlimit sets the limits, then execs Python (not
+    Popen's preexec_fn, which can deadlock in threads, nor a Python prelude: a second
+    interpreter start), inside bubblewrap if bwrap."""
+    # Any Python 3 will do: ours, unless nobody or bubblewrap may not reach it
+    # (outside /usr): the system's. A virtual environment's links to its base.
+    python = os.path.realpath(sys.executable)
+    if (bwrap or as_nobody) and not python.startswith("/usr/"):
+        python = "/usr/bin/python3"
+    rlimits = [
+        f"--cpu={limits.cpu_s}:{limits.cpu_s + 1}",  # SIGXCPU first, SIGKILL a second later
+        f"--as={limits.memory_mb << 20}", f"--fsize={limits.file_mb << 20}",
+        f"--nofile={limits.open_files}", "--core=0"
+    ]
+    if bwrap or as_nobody:  # RLIMIT_NPROC counts all of the uid's processes: not ours
+        rlimits.append(f"--nproc={limits.processes}")
+    # -u: what it printed before a time-out still comes back. prlimit is found on
+    # PATH, in the sandbox too.
+    argv = ["prlimit", *rlimits, "--", python, "-I", "-S", "-u", "-X", "utf8", "main.py"]
+    if not bwrap:
+        return argv
+    return [  # it passes on the environment Popen gives it, and sets PWD
+        _BWRAP, "--unshare-user", "--uid", str(NOBODY), "--gid", str(NOBODY),  # not root
+        "--unshare-pid", "--die-with-parent",  # a PID namespace, which dies if we do
+        "--unshare-net", "--unshare-ipc", "--unshare-uts", "--new-session",  # no network
+        "--ro-bind", "/usr", "/usr", "--ro-bind-try", "/bin", "/bin",
+        "--ro-bind-try", "/lib", "/lib", "--ro-bind-try", "/lib64", "/lib64",
+        "--proc", "/proc", "--dev", "/dev", "--tmpfs", "/tmp",
+        "--bind", workdir, "/sandbox", "--chdir", "/sandbox", "--", *argv
+    ]
+
+
+def _what_the_model_reads(stdout, stderr, stopped, returncode, limits) -> tuple[str, bool]:
+    """The output, then how the program ended, unless it ended well."""
     text = (stdout + stderr)[:limits.output_bytes].decode("utf-8", errors="replace")
     if stopped == "output":
         note = f"output cut at {limits.output_bytes} bytes; the program was stopped"
@@ -185,8 +194,8 @@ def _run(source: bytes, limits: Limits, bwrap: bool, as_nobody: bool) -> tuple[s
     elif returncode < 0:
         note = f"the program was killed by signal {signal.Signals(-returncode).name}"
     elif returncode:  # a MemoryError is the memory limit, almost always
-        out_of_memory = f": out of memory (the limit is {limits.memory_mb} MB)" if b"MemoryError" in stderr else ""
-        note = f"exit status {returncode}{out_of_memory}"
+        out_of_memory = f": out of memory (the limit is {limits.memory_mb} MB)"
+        note = f"exit status {returncode}{out_of_memory if b'MemoryError' in stderr else ''}"
     else:
         return text, True
     separator = "\n" if text and not text.endswith("\n") else ""
@@ -199,8 +208,7 @@ def _collect(proc: subprocess.Popen, limits: Limits, kill) -> tuple[bytes, bytes
     second at most. Returns (stdout, stderr, "" or why stopped)."""
     output = {proc.stdout.fileno(): bytearray(), proc.stderr.fileno(): bytearray()}
     deadline, stopped, killed = time.monotonic() + limits.timeout_s, "", False
-    # readable once the program (or bwrap) has exited; it is not reaped
-    exit_fd = os.pidfd_open(proc.pid)
+    exit_fd = os.pidfd_open(proc.pid)  # readable once it (or bwrap) exits; it is not reaped
     try:
         with selectors.DefaultSelector() as selector:
             for fd in [*output, exit_fd]:
@@ -219,8 +227,7 @@ def _collect(proc: subprocess.Popen, limits: Limits, kill) -> tuple[bytes, bytes
                         selector.unregister(fd)  # read no more, but still wait for the exit
                 if not killed and (stopped or timeout <= 0 or exit_fd not in selector.get_map()):
                     stopped = stopped or ("time-out" if timeout <= 0 else "")
-                    kill()
-                    # then stop: one we missed may hold a pipe
+                    kill()  # then a second more: one we missed may hold a pipe
                     killed, deadline = True, time.monotonic() + 1.0
     finally:
         if not killed:
@@ -237,13 +244,12 @@ def _kill(proc: subprocess.Popen, token: str, bwrap: bool) -> None:
         with contextlib.suppress(ProcessLookupError):
             os.killpg(proc.pid, signal.SIGKILL)
     marker = f"NANOAGENT_SANDBOX={token}".encode()
-    for _ in range(10):  # a process may fork while we look: look again until a pass finds nothing
+    for _ in range(10):  # a process may fork while we look: until a pass finds nothing
         found = False
         for pid in filter(str.isdigit, os.listdir("/proc")):
-            # gone, or not ours
             with contextlib.suppress(OSError), open(f"/proc/{pid}/environ", "rb") as file:
                 if marker in file.read().split(b"\0") and not (bwrap and int(pid) == proc.pid):
-                    os.kill(int(pid), signal.SIGKILL)  # (a dead process's environ reads empty)
+                    os.kill(int(pid), signal.SIGKILL)  # (a dead process's environ is empty)
                     found = True
         if not found:
             return
