@@ -5,20 +5,16 @@ Everything downstream sees a HF causal LM plus a HF fast tokenizer with Qwen2.5'
 chat template, and nothing else. Two ways to get one:
 
 - `load_model("Qwen/Qwen2.5-0.5B-Instruct")` or `load_model("runs/step_100")`: a Hub
-  name or a local directory, through transformers' Auto classes (the models Agent-R1
-  and RAGEN train).
+  name or a local directory, through transformers' Auto classes.
 - `load_model("tiny")`: a ~0.45M-parameter Qwen2-architecture model with a small
-  byte-level BPE vocabulary (so CPU training is fast), built deterministically,
-  saved as an ordinary HF directory and loaded from it like a Qwen2.5 checkpoint. It
-  speaks Qwen2.5's chat template (same special tokens, same `<tool_call>` /
-  `<tool_response>` markup), so the tiny model is a special case nowhere but here.
-  `load_model("tiny-deep")` is the same with 4 layers instead of 2, for the compute
-  task (envs.ComputeEnv's `train_defaults`).
+  byte-level BPE vocabulary (so CPU training is fast), built deterministically and
+  loaded like a Qwen2.5 checkpoint. It speaks Qwen2.5's chat template (same special
+  tokens, same `<tool_call>` markup), so the tiny model is a special case nowhere
+  but here. `load_model("tiny-deep")` has 4 layers instead of 2 (the compute task).
 
 `load_critic(path)` builds PPO's critic from the policy checkpoint, as Agent-R1 and
-RAGEN initialise theirs. `shared_prompt_hidden` runs rows that open alike (a GRPO
-group, the warm-up's demonstrations) sharing one pass. Every model loaded here
-attends with `sdpa_grouped`: transformers' SDPA attention, faster on the CPU.
+RAGEN do. `shared_prompt_hidden` runs rows that open alike (a GRPO group) sharing
+one pass. Every model loaded here attends with `sdpa_grouped`.
 """
 
 import contextlib
@@ -29,7 +25,9 @@ from pathlib import Path
 
 import torch
 from torch.nn.utils.rnn import pad_sequence
-from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
+from tokenizers import (
+    AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
+)
 from transformers import (
     AttentionInterface,
     AutoConfig,
@@ -84,20 +82,21 @@ QWEN25_ADDED_TOKENS = [
 # dilute the attention a tiny model must learn to aim at a name.
 TINY_EXTRA_TOKENS = [
     "<tool_response>", "</tool_response>", "<think>", "</think>", "<answer>", "</answer>",
-    "\n\n# Tools\n\nYou may call one or more functions to assist with the user query.\n\n"
-    "You are provided with function signatures within <tools></tools> XML tags:\n<tools>",
-    "\n</tools>\n\nFor each function call, return a json object with function name and arguments within "
-    "<tool_call></tool_call> XML tags:\n<tool_call>\n"
-    "{\"name\": <function-name>, \"arguments\": <args-json-object>}\n</tool_call>",
-    '{"type": "function", "function": {"name": "', '", "description": "', '", "parameters": {"type": "object", ',
+    "\n\n# Tools\n\nYou may call one or more functions to assist with the user "
+    "query.\n\nYou are provided with function signatures within <tools></tools> XML "
+    "tags:\n<tools>",
+    "\n</tools>\n\nFor each function call, return a json object with function name and "
+    "arguments within <tool_call></tool_call> XML tags:\n<tool_call>\n{\"name\": "
+    "<function-name>, \"arguments\": <args-json-object>}\n</tool_call>",
+    '{"type": "function", "function": {"name": "', '", "description": "',
+    '", "parameters": {"type": "object", ',
     '"properties": {', '"required": [', '{"type": "string", "description": "', '{"type": "string"}',
     '\n{"name": "', '", "arguments": {', '"}}\n',
 ]
 
 
 def cache_dir():
-    """Where built artefacts (the tiny model, the tests' rebuilt Qwen2.5 tokenizer)
-    are kept between runs."""
+    """Where built artefacts (the tiny model, the tests' Qwen2.5 tokenizer) are kept."""
     return Path(os.environ.get("NANOAGENT_CACHE", Path.home() / ".cache" / "nanoagent"))
 
 
@@ -117,12 +116,12 @@ def byte_level_pipeline(tokenizer):
 def with_qwen25_tokens_and_template(tokenizer, extra_tokens=()):
     """Add Qwen2.5's added tokens (in Qwen's id order) and chat template; return a
     transformers tokenizer."""
-    tokenizer.add_tokens([AddedToken(token, special=special, normalized=False)
-                          for token, special in QWEN25_ADDED_TOKENS])
     tokenizer.add_tokens([
-        AddedToken(token, special=False, normalized=False)
-        for token in extra_tokens
+        AddedToken(token, special=special, normalized=False)
+        for token, special in QWEN25_ADDED_TOKENS
     ])
+    extra = [AddedToken(token, special=False, normalized=False) for token in extra_tokens]
+    tokenizer.add_tokens(extra)
     fast = PreTrainedTokenizerFast(
         tokenizer_object=tokenizer,
         eos_token="<|im_end|>",  # the instruct models end every turn with <|im_end|>
@@ -134,7 +133,7 @@ def with_qwen25_tokens_and_template(tokenizer, extra_tokens=()):
     return fast
 
 
-# ----------------------------------------------------------------------------------------------------
+# ------------------------------------------------------------------------------
 # The tiny offline model
 
 # What the tiny BPE is trained on: the chat template's fixed text, tool-call JSON,
@@ -142,33 +141,41 @@ def with_qwen25_tokens_and_template(tokenizer, extra_tokens=()):
 # it; anything else still encodes, byte by byte, because the base alphabet is all
 # 256 bytes.
 TINY_CORPUS = [
-    "<|im_start|>system\nYou are Qwen, created by Alibaba Cloud. You are a helpful assistant.<|im_end|>\n",
-    "\n\n# Tools\n\nYou may call one or more functions to assist with the user query.\n\n"
-    "You are provided with function signatures within <tools></tools> XML tags:\n<tools>\n",
-    "\n</tools>\n\nFor each function call, return a json object with function name and arguments within "
-    "<tool_call></tool_call> XML tags:\n<tool_call>\n"
-    "{\"name\": <function-name>, \"arguments\": <args-json-object>}\n</tool_call><|im_end|>\n",
-    '{"type": "function", "function": {"name": "search", "description": "Search the knowledge base.", '
-    '"parameters": {"type": "object", "properties": {"query": {"type": "string", "description": "The query."}}, '
-    '"required": ["query"]}}}',
-    '{"type": "function", "function": {"name": "calculator", "description": "Evaluate an arithmetic expression.", '
-    '"parameters": {"type": "object", "properties": {"expression": {"type": "string"}}, "required": ["expression"]}}}',
+    "<|im_start|>system\nYou are Qwen, created by Alibaba Cloud. You are a helpful "
+    "assistant.<|im_end|>\n",
+    "\n\n# Tools\n\nYou may call one or more functions to assist with the user "
+    "query.\n\nYou are provided with function signatures within <tools></tools> XML "
+    "tags:\n<tools>\n",
+    "\n</tools>\n\nFor each function call, return a json object with function name and "
+    "arguments within <tool_call></tool_call> XML tags:\n<tool_call>\n{\"name\": "
+    "<function-name>, \"arguments\": <args-json-object>}\n</tool_call><|im_end|>\n",
+    '{"type": "function", "function": {"name": "search", "description": "Search the '
+    'knowledge base.", "parameters": {"type": "object", "properties": {"query": '
+    '{"type": "string", "description": "The query."}}, "required": ["query"]}}}',
+    '{"type": "function", "function": {"name": "calculator", "description": "Evaluate '
+    'an arithmetic expression.", "parameters": {"type": "object", "properties": '
+    '{"expression": {"type": "string"}}, "required": ["expression"]}}}',
     '<tool_call>\n{"name": "search", "arguments": {"query": "who"}}\n</tool_call>',
     '<tool_call>\n{"name": "calculator", "arguments": {"expression": "12 * 34 + 5"}}\n</tool_call>',
-    "<|im_start|>user\n<tool_response>\nresult\n</tool_response><|im_end|>\n<|im_start|>assistant\n",
+    "<|im_start|>user\n<tool_response>\nresult\n</tool_response><|im_end|>\n"
+    "<|im_start|>assistant\n",
     "<think>I should search first.</think><answer>yes</answer>",
-    "Answer the question. Call the search tool to look facts up, then give the final answer inside "
-    "<answer> and </answer>. Think step by step inside <think> and </think> if it helps.",
-    "the a an of in on at to by for from with and or is was were be been has had have not no yes who what "
-    "where when which how many much born city country director directed film book author wrote written "
-    "capital river mountain company founded founder located lives live nearest player team plays move "
-    "moves left right up down box target wall goal hole frozen lake start agent grid arm arms pull reward "
-    "machine bandit high low risk question answer search query result results passage title text number "
-    "plus minus times divided sum total each cost costs price apples items buy buys sold has have spent "
-    "error invalid unknown tool call expected format please your turn step steps done solved correct wrong",
+    "Answer the question. Call the search tool to look facts up, then give the final "
+    "answer inside <answer> and </answer>. Think step by step inside <think> and "
+    "</think> if it helps.",
+    "the a an of in on at to by for from with and or is was were be been has had have "
+    "not no yes who what where when which how many much born city country director "
+    "directed film book author wrote written capital river mountain company founded "
+    "founder located lives live nearest player team plays move moves left right up down "
+    "box target wall goal hole frozen lake start agent grid arm arms pull reward "
+    "machine bandit high low risk question answer search query result results passage "
+    "title text number plus minus times divided sum total each cost costs price apples "
+    "items buy buys sold has have spent error invalid unknown tool call expected format "
+    "please your turn step steps done solved correct wrong",
     "0 1 2 3 4 5 6 7 8 9 10 100 1000 + - * / ( ) = . , ? ! : ; ' \" _ # @ % & [ ] { } | || < >",
-    "Who What Where When Which How In It The No Yes get its about look up returns name names facts fact "
-    "Look Call Use Give Begin every reply reasoning then give product word problem apply",
+    "Who What Where When Which How In It The No Yes get its about look up returns name "
+    "names facts fact Look Call Use Give Begin every reply reasoning then give product "
+    "word problem apply",
     "Who\nWhat\nWhere\nWhen\nWhich\nHow\nIn\nThe\nNo\nYes\nAnswer\nInvalid\nError\n",
 ]
 # Short English words the environments use as names (envs.py: NAMES, the bandit's
@@ -176,22 +183,24 @@ TINY_CORPUS = [
 # stands (" Oak" in a question, "Oak" after a quote or at a line start): copying a
 # name from a search result is then the identity, which a tiny model learns in
 # minutes, instead of a learned mapping between two spellings.
-TINY_NAMES = ("Amber Aspen Birch Cedar Coral Daisy Delta Ember Fable Fern Flint Frost Gale Grove Hazel Heron "
-              "Iris Ivory Jade Juniper Kestrel Lark Laurel Lotus Maple Marsh Meadow Mint Moss Nova Oak Olive "
-              "Onyx Opal Orchid Pearl Pebble Pine Plum Quartz Raven Reed Ridge Robin Rose Ruby Rust Sage "
-              "Slate Sparrow Spruce Thorn Tide Topaz Vale Willow Wren Zephyr Aurora Basil Clover Dune Echo Finch "
-              "Garnet Harbor Indigo Jasper Lilac Linden Lumen Misty Nectar Orion Poppy Quill Rowan Saffron Sierra "
-              "Tansy Umber Velvet Wisp Yarrow Zinnia Acorn Bramble Cinder Dawn Comet Fjord Glade Moor Tundra "
-              "Turtle Anchor Pillow Dragon Volcano Tiger").split()  # the last six: the bandit's arms
+TINY_NAMES = (  # the last six: the bandit's arms
+    "Amber Aspen Birch Cedar Coral Daisy Delta Ember Fable Fern Flint Frost Gale Grove "
+    "Hazel Heron Iris Ivory Jade Juniper Kestrel Lark Laurel Lotus Maple Marsh Meadow "
+    "Mint Moss Nova Oak Olive Onyx Opal Orchid Pearl Pebble Pine Plum Quartz Raven Reed "
+    "Ridge Robin Rose Ruby Rust Sage Slate Sparrow Spruce Thorn Tide Topaz Vale Willow "
+    "Wren Zephyr Aurora Basil Clover Dune Echo Finch Garnet Harbor Indigo Jasper Lilac "
+    "Linden Lumen Misty Nectar Orion Poppy Quill Rowan Saffron Sierra Tansy Umber "
+    "Velvet Wisp Yarrow Zinnia Acorn Bramble Cinder Dawn Comet Fjord Glade Moor Tundra "
+    "Turtle Anchor Pillow Dragon Volcano Tiger"
+).split()
 
 
 def tiny_tokenizer():
     """A small byte-level BPE tokenizer with Qwen2.5's pipeline, special tokens and
-    chat template.
-    Deterministic: the BPE trainer sees the same corpus every time."""
+    chat template; deterministic (the BPE trainer sees the same corpus every time)."""
     bpe = byte_level_pipeline(Tokenizer(models.BPE()))
     trainer = trainers.BpeTrainer(
-        vocab_size=2048, show_progress=False,  # a cap: the small corpus yields about 900 merges and tokens
+        vocab_size=2048, show_progress=False,  # a cap: the corpus yields about 900 tokens
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),  # all 256 bytes: any text encodes
     )
     bpe.train_from_iterator(TINY_CORPUS * 4, trainer=trainer)
@@ -214,32 +223,27 @@ TINY_MODELS = {"tiny": TINY_SHAPE, "tiny-deep": {**TINY_SHAPE, "num_hidden_layer
 
 
 def tiny_model(tokenizer, seed=0, **shape):
-    """A freshly initialised Qwen2ForCausalLM sized for CPU training (~0.45M
-    parameters), in float32. `shape` overrides TINY_SHAPE (hidden_size,
-    num_hidden_layers, ...), for experiments."""
-    vocab_size = (len(tokenizer) + 63) // 64 * 64  # round up, as Qwen pads 151665 tokens to 151936
+    """A freshly initialised Qwen2ForCausalLM for CPU training, in float32. `shape`
+    overrides TINY_SHAPE, for experiments."""
+    vocab_size = (len(tokenizer) + 63) // 64 * 64  # round up, as Qwen pads 151665 to 151936
     config = Qwen2Config(
         vocab_size=vocab_size, **{**TINY_SHAPE, **shape}, max_position_embeddings=4096,
         rope_theta=10000.0, tie_word_embeddings=True, bos_token_id=None,
         eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
     )
-    with torch.random.fork_rng(devices=[]):  # seed the init without disturbing the caller's RNG
+    with torch.random.fork_rng(devices=[]):  # the caller's RNG untouched
         torch.manual_seed(seed)
         model = Qwen2ForCausalLM(config)
     # Like Qwen2.5-Instruct: stop on <|im_end|> (end of turn) or <|endoftext|>.
+    eos_token_id = tokenizer.convert_tokens_to_ids(["<|im_end|>", "<|endoftext|>"])
     model.generation_config = GenerationConfig(
-        eos_token_id=[
-            tokenizer.convert_tokens_to_ids("<|im_end|>"),
-            tokenizer.convert_tokens_to_ids("<|endoftext|>")
-        ],
-        pad_token_id=tokenizer.pad_token_id,
+        eos_token_id=eos_token_id, pad_token_id=tokenizer.pad_token_id
     )
     return model
 
 
 def save_tiny_model(path, seed=0, **shape):
-    """Build the tiny model (`shape` as in tiny_model) and tokenizer and save them
-    as an HF checkpoint directory."""
+    """Build the tiny model (`shape` as in tiny_model) and tokenizer; save them to path."""
     tokenizer = tiny_tokenizer()
     model = tiny_model(tokenizer, seed=seed, **shape)
 
@@ -249,16 +253,15 @@ def save_tiny_model(path, seed=0, **shape):
     return save_atomically(path, save)
 
 
-# ----------------------------------------------------------------------------------------------------
+# ------------------------------------------------------------------------------
 # Attention
 
 def sdpa_grouped(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
     """transformers' "sdpa" attention, except on the CPU with a padding mask: there
     PyTorch reads the key/value heads that several query heads share (grouped-query
-    attention) in place, where transformers copies each once per query head, as
-    CUDA's masked kernels need: the same outputs, without copying the KV cache at
-    every decode step. (On a GPU the TorchSampler's static decode step attends with
-    sampler.grouped_decode_attention instead.)"""
+    attention) in place, where transformers copies them once per query head: the same
+    outputs, without copying the KV cache at every decode step. (On a GPU the
+    TorchSampler's static decode step uses sampler.grouped_decode_attention.)"""
     if query.device.type != "cpu" or attention_mask is None:
         return sdpa_attention_forward(
             module, query, key, value, attention_mask, dropout, scaling, **kwargs
@@ -267,21 +270,20 @@ def sdpa_grouped(module, query, key, value, attention_mask, dropout=0.0, scaling
         query, key, value, attn_mask=attention_mask, dropout_p=dropout, scale=scaling,
         enable_gqa=True
     )
-    # (B, T, H, d), as transformers' attention functions return
-    return output.transpose(1, 2).contiguous(), None
+    return output.transpose(1, 2).contiguous(), None  # (B, T, H, d), as transformers'
 
 
 AttentionInterface.register("sdpa_grouped", sdpa_grouped)
 AttentionMaskInterface.register("sdpa_grouped", sdpa_mask)  # the masks "sdpa" gets
 
-# ----------------------------------------------------------------------------------------------------
+# ------------------------------------------------------------------------------
 # Loading
 
 def resolve_model_path(name_or_path):
     """Map a name of TINY_MODELS to its cached directory (built on first use);
     anything else is returned as is. The directory is named after a hash of the
-    recipe's data, so changing it never loads a stale build; a change to the
-    building code itself must add what it changes to `recipe`."""
+    recipe, so a change never loads a stale build; a change to the building code
+    itself must add what it changes to `recipe`."""
     if name_or_path in TINY_MODELS:
         shape = TINY_MODELS[name_or_path]
         recipe = json.dumps([
@@ -300,16 +302,22 @@ def load_model(name_or_path, device="cpu", dtype=torch.float32):
     `dtype`. What cannot be loaded raises a UserError that says what to do."""
     path = resolve_model_path(name_or_path)
     directory = Path(path)
-    # a local checkpoint: say which part is missing instead of transformers' trace
-    if directory.is_dir():
-        weights = [file for pattern in ("*.safetensors", "*.bin", "*.safetensors.index.json")
-                   for file in directory.glob(pattern)]
-        present = {"config.json": (directory / "config.json").exists(),
-                   "weights (*.safetensors or *.bin)": weights,
-                   "tokenizer files": (directory / "tokenizer_config.json").exists()}
+    if directory.is_dir():  # a local checkpoint: say which part is missing
+        weights = [
+            file for pattern in ("*.safetensors", "*.bin", "*.safetensors.index.json")
+            for file in directory.glob(pattern)
+        ]
+        present = {
+            "config.json": (directory / "config.json").exists(),
+            "weights (*.safetensors or *.bin)": weights,
+            "tokenizer files": (directory / "tokenizer_config.json").exists()
+        }
         if missing := [name for name, found in present.items() if not found]:
-            raise UserError(f"could not load model {name_or_path!r}: the directory has no {', no '.join(missing)}; "
-                             "pass a checkpoint directory written by save_pretrained (a step_* directory of a run)")
+            raise UserError(
+                f"could not load model {name_or_path!r}: the directory has no"
+                f" {', no '.join(missing)}; pass a checkpoint directory written by"
+                " save_pretrained (a step_* directory of a run)"
+            )
     try:
         tokenizer = AutoTokenizer.from_pretrained(path)
         config = AutoConfig.from_pretrained(path, attn_implementation="sdpa_grouped")
@@ -319,15 +327,15 @@ def load_model(name_or_path, device="cpu", dtype=torch.float32):
         )
     except OSError as error:
         raise UserError(
-            f"could not load model {name_or_path!r}: it is not a local checkpoint directory and could not be "
-            "fetched from the Hugging Face Hub (no network, a typo, or HF_HUB_OFFLINE=1 without a cached copy). Pass a "
-            "checkpoint directory, download the model once on a connected machine (`huggingface-cli download NAME`), "
-            "or use the built-in offline model: --model tiny"
+            f"could not load model {name_or_path!r}: it is not a local checkpoint"
+            " directory and could not be fetched from the Hugging Face Hub (no network, a"
+            " typo, or HF_HUB_OFFLINE=1 without a cached copy). Pass a checkpoint"
+            " directory, download the model once on a connected machine"
+            " (`huggingface-cli download NAME`), or use the built-in offline model:"
+            " --model tiny"
         ) from error
     if not tokenizer.chat_template:
-        raise UserError(
-            f"{name_or_path!r} has no chat template: nanoagent needs an instruct/chat model"
-        )
+        raise UserError(f"{name_or_path!r} has no chat template: use an instruct/chat model")
     return model.to(device).eval(), tokenizer
 
 
@@ -336,28 +344,26 @@ def built(read, auto_class, path, config, dtype, device):
     device (where train.py builds the models it shards): there the architecture
     without memory, and `model.read_weights()`, which rank 0 alone calls when
     parallel.shard_model fills the shards, reading the weights in the dtype they are
-    stored in (bf16 for Qwen2.5), so no rank holds a whole float32 copy. Either way,
-    model.stored_dtype records it."""
-    stored_dtype = config.dtype or torch.float32  # read first: loading sets config.dtype to dtype
+    stored in (model.stored_dtype), so no rank holds a whole float32 copy."""
+    stored_dtype = config.dtype or torch.float32  # first: loading sets config.dtype
     if torch.device(device).type != "meta":
         model = read(dtype)
     else:
         with torch.device("meta"):
             model = auto_class.from_config(config, dtype=dtype)
-        # as from_pretrained: the tokens to stop on come from generation_config.json
-        if model.can_generate():
+        if model.can_generate():  # as from_pretrained: the stop tokens, from the checkpoint
             with contextlib.suppress(OSError):
                 model.generation_config = GenerationConfig.from_pretrained(path)
         model.read_weights = lambda: read(stored_dtype)
-    model.stored_dtype = stored_dtype  # checkpoints are written in it (nanoagent/checkpoint.py)
+    model.stored_dtype = stored_dtype  # checkpoints are written in it
     return model
 
 
 def sample_as_trained(model, temperature):
     """Make model.generation_config (generation_config.json in its checkpoints) say how
     RL sampled: the training temperature and nothing else. A base model's defaults
-    (Qwen2.5-Instruct: temperature 0.7, top_p 0.8, top_k 20, repetition penalty 1.05)
-    would otherwise apply silently to `model.generate` on a trained checkpoint."""
+    (Qwen2.5-Instruct: top_p 0.8, top_k 20, ...) would otherwise apply silently to
+    `model.generate` on a trained checkpoint."""
     old = model.generation_config
     model.generation_config = GenerationConfig(
         do_sample=True, temperature=temperature, top_p=1.0, top_k=0,
@@ -367,14 +373,10 @@ def sample_as_trained(model, temperature):
 
 
 def load_critic(name_or_path, device="cpu", dtype=torch.float32):
-    """PPO's critic: the policy's backbone with a fresh scalar head, V(s_t) for
-    every token.
-
-    AutoModelForTokenClassification with one label is exactly "backbone +
-    Linear(hidden, 1) per token" and saves/loads like any HF model. The head starts
-    at zero, so the first advantages are plain discounted rewards. Call it as
-    `critic(input_ids, attention_mask=...).logits.squeeze(-1)` -> (B, T).
-    """
+    """PPO's critic: the policy's backbone with a fresh scalar head, V(s_t) for every
+    token: AutoModelForTokenClassification with one label, an ordinary HF model. The
+    head starts at zero, so the first advantages are plain discounted rewards. Call it
+    as `critic(input_ids, attention_mask=...).logits.squeeze(-1)` -> (B, T)."""
     path = resolve_model_path(name_or_path)
     config = AutoConfig.from_pretrained(path, num_labels=1, attn_implementation="sdpa_grouped")
     is_saved_critic = "ForTokenClassification" in (config.architectures or [""])[0]
@@ -382,8 +384,7 @@ def load_critic(name_or_path, device="cpu", dtype=torch.float32):
 
     def read(dtype):
         verbosity = transformers_logging.get_verbosity()
-        # silence the expected "score.* newly initialised" report
-        transformers_logging.set_verbosity_error()
+        transformers_logging.set_verbosity_error()  # "score.* newly initialised" is expected
         critic = AutoModelForTokenClassification.from_pretrained(path, config=config, dtype=dtype)
         transformers_logging.set_verbosity(verbosity)
         if not is_saved_critic:  # a policy checkpoint: the head is new, start it at zero
@@ -396,46 +397,38 @@ def load_critic(name_or_path, device="cpu", dtype=torch.float32):
     ).to(device).eval()
 
 
-# ----------------------------------------------------------------------------------------------------
-# A forward pass that runs each shared prompt once (the trainer's scoring passes,
-# the warm-up)
+# ------------------------------------------------------------------------------
+# A forward pass that runs each shared prompt once (scoring, the warm-up)
 
 def shared_prompt_hidden(model, input_ids, attention_mask, prompt_lengths):
     """The model body's last hidden states (B, T, D) of right-padded rows, each
-    distinct prompt run once (a GRPO group's G members share their prompt; every
-    demonstration of the warm-up its env's system prompt and tool schemas), so every
-    row runs only its rest, attending to the prompt's keys and values as to a KV
-    cache (gradients flow back as through G copies). Positions before each row's
-    last prompt token (whose predictions no loss reads) hold garbage.
+    distinct prompt run once (a GRPO group's G members share their prompt; the
+    warm-up's demonstrations their env's system prompt), so every row runs only its
+    rest, attending to the prompt's keys and values as to a KV cache (gradients flow
+    back as through G copies). Positions before each row's last prompt token (whose
+    predictions no loss reads) hold garbage.
 
     The rests run in passes of similar length: rows whose rest is 2^k to 2^(k+1)
     times shorter than the longest share a pass, padded to its own longest row, so
-    no pass computes more than twice its real tokens (a batch of one-turn and
-    four-turn episodes would otherwise pad every row to the longest). When every
-    rest is over half the longest, this is the one batched pass, float for float."""
+    no pass computes more than twice its real tokens. When every rest is over half
+    the longest, this is the one batched pass, float for float."""
     width, device = input_ids.shape[1], input_ids.device
     distinct = {}  # prompt tokens -> its row in the prompt batch
-    owner = torch.tensor(
-        [
-            distinct.setdefault(tuple(input_ids[row, :length].tolist()), len(distinct))
-            for row, length in enumerate(prompt_lengths.tolist())
-        ],
-        device=device
-    )  # (B,)
-    # The distinct prompts, left-padded so that each ends in the last column;
-    # positions count real tokens.
+    owner = torch.tensor([  # (B,)
+        distinct.setdefault(tuple(input_ids[row, :length].tolist()), len(distinct))
+        for row, length in enumerate(prompt_lengths.tolist())
+    ], device=device)
+    # The distinct prompts, left-padded to end in the last column; positions count
+    # real tokens.
     prompts = [torch.tensor(prompt, device=device) for prompt in distinct]
     prompt_ids = pad_sequence(prompts, batch_first=True, padding_side="left")  # (U, P)
-    prompt_mask = pad_sequence(
-        [torch.ones_like(prompt) for prompt in prompts], batch_first=True,
-        padding_side="left"
-    )
+    ones = [torch.ones_like(prompt) for prompt in prompts]
+    prompt_mask = pad_sequence(ones, batch_first=True, padding_side="left")  # (U, P)
     prompt_out = model.base_model(
         input_ids=prompt_ids, attention_mask=prompt_mask,
         position_ids=(prompt_mask.cumsum(dim=1) - 1).clamp(min=0), use_cache=True
     )
-    # (U, 1, D): predicts each prompt's first rest token
-    prompt_last = prompt_out.last_hidden_state[:, -1:]
+    prompt_last = prompt_out.last_hidden_state[:, -1:]  # (U, 1, D): predicts rest token 1
     rest_lengths = attention_mask.sum(dim=1) - prompt_lengths  # (B,)
     # (B,) k: 2^k to 2^(k+1) shorter
     length_class = (rest_lengths.max() / rest_lengths.clamp(min=1)).log2().floor()

@@ -52,7 +52,9 @@ it (tests/test_parallel.py feeds two ranks skewed rows and compares):
 import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
-from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard, register_fsdp_forward_method
+from torch.distributed.fsdp import (
+    FSDPModule, MixedPrecisionPolicy, fully_shard, register_fsdp_forward_method
+)
 from torch.distributed.tensor import DTensor
 
 from nanoagent.common import autodetect_dtype

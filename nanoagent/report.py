@@ -2,7 +2,7 @@
 See a run: the trajectories it kept and the curves it logged, on one HTML page that
 opens offline.
 
-    python -m nanoagent.report runs/default     # writes runs/default/report.html: open it in any browser
+    python -m nanoagent.report runs/default  # writes runs/default/report.html
 
 Agent RL fails in ways a mean hides: the agent stops calling tools, repeats one
 query, answers before searching. People find these by reading trajectories beside
@@ -10,19 +10,18 @@ the curves, so a run keeps both:
 
   - `metrics.jsonl`, one line per step (train.py's end_of_step);
   - `trajectories.jsonl`, one line per trajectory (`trajectory_records`): train.py
-    writes one group per step (group_size lines, each at most max_total_tokens tokens),
-    eval.py --trajectories every episode. Every token has its id, its text, its author
-    (prompt, agent or env: the action mask made visible), its reward, and, from
-    training, its advantage and the old policy's log-prob beside the sampler's; every
-    turn its reward, the tool calls the env parsed and the tool's answers.
+    writes one group per step, eval.py --trajectories every episode. Every token has
+    its id, its text, its author (prompt, agent or env: the action mask made
+    visible), its reward, and, from training, its advantage and the old policy's
+    log-prob beside the sampler's; every turn its reward, tool calls and answers.
 
 The page (`report_html`, template `report.html.jinja`): the run's flags and summary,
-the logged metrics as curves grouped as a reader thinks of them (matplotlib, inline
-PNGs) with Echo-Trap warnings marked by signal, and a trajectory browser: pick a
-step's group, read its members side by side, tokens coloured by author, agent tokens
-shaded by advantage (green above 0, red below). Notebooks show trajectories with the
-same template (`trajectories_html`). A missing file, a half-written last line (a run
-killed mid-write) or a run still going make a page that says so, never a traceback.
+the metrics as curves (matplotlib, inline PNGs) with Echo-Trap warnings marked by
+signal, and a trajectory browser: a step's group, its members side by side, tokens
+coloured by author, agent tokens shaded by advantage (green above 0, red below).
+Notebooks show trajectories with the same template (`trajectories_html`). A missing
+file, a half-written last line or a run still going make a page that says so, never
+a traceback.
 """
 
 import argparse
@@ -33,7 +32,7 @@ import sys
 from pathlib import Path
 
 import jinja2
-from matplotlib.figure import Figure  # the object API: no pyplot, so no global backend to switch
+from matplotlib.figure import Figure  # the object API: no pyplot, no global backend
 
 TRAJECTORIES = "trajectories.jsonl"
 # The curves, grouped as a reader asks: did it work, what does the agent do, is the
@@ -53,7 +52,7 @@ CURVES = {
         "mutual_information", "kept_trajectories"
     ]
 }
-MAX_GROUPS = 50  # groups on one page, evenly spaced over the run: a long run's page stays a few MB
+MAX_GROUPS = 50  # groups on one page, evenly spaced: a long run's page stays a few MB
 TEMPLATE = jinja2.Environment(
     loader=jinja2.FileSystemLoader(Path(__file__).parent), autoescape=True,
     trim_blocks=True, lstrip_blocks=True
@@ -105,8 +104,7 @@ def trajectory_records(trajectories, tokenizer, step, advantages=None, old_logpr
 
 
 def rounded(values):
-    """Numbers as the file keeps them: 4 decimals are plenty to read, and a line
-    stays short."""
+    """Numbers as the file keeps them: 4 decimals are plenty, and a line stays short."""
     return [round(value, 4) for value in values]
 
 
@@ -118,8 +116,7 @@ def trainer_row(values, row, length):
 
 
 def append_jsonl(path, records):
-    """Append one JSON line per record, in one write (a run killed mid-write leaves
-    at most one partial line)."""
+    """Append one JSON line per record, in one write (a kill leaves one partial line)."""
     with open(path, "a") as file:
         file.write("".join(json.dumps(record, default=str) + "\n" for record in records))
 
@@ -128,8 +125,7 @@ def append_jsonl(path, records):
 
 
 def read_jsonl(path, problems):
-    """The dict lines of a JSONL file; a missing file or a broken line is added to
-    `problems` instead."""
+    """The dict lines of a JSONL file; a missing file or a broken line goes to `problems`."""
     if not path.is_file():
         problems.append(f"no {path.name} in this directory")
         return []
@@ -142,8 +138,10 @@ def read_jsonl(path, problems):
         if isinstance(record, dict):
             records.append(record)
         else:
-            problems.append(f"{path.name} line {number} is not a complete JSON object (a run killed mid-write?): "
-                            "skipped")
+            problems.append(
+                f"{path.name} line {number} is not a complete JSON object (a run killed"
+                " mid-write?): skipped"
+            )
     return records
 
 
@@ -183,12 +181,10 @@ def trajectory_groups(records):
 
 
 def report_html(run_dir):
-    """The page for a run (or eval) directory, as a string: it says what is missing
-    instead of failing."""
+    """The page for a run (or eval) directory: it says what is missing, never fails."""
     run_dir, problems = Path(run_dir), []
-    args = json.loads(
-        (run_dir / "args.json").read_text()
-    ) if (run_dir / "args.json").is_file() else {}
+    args_file = run_dir / "args.json"
+    args = json.loads(args_file.read_text()) if args_file.is_file() else {}
     history = read_jsonl(run_dir / "metrics.jsonl", problems)
     records = read_jsonl(run_dir / TRAJECTORIES, problems)
     last_step = max([metrics.get("step", 0) for metrics in history], default=0)
@@ -196,24 +192,20 @@ def report_html(run_dir):
         problems.append(
             f"step {last_step} of {args['steps']} logged: the run is still going, or stopped early"
         )
-    # signal -> the steps it warned at (a run logged before signals were named: "unnamed")
-    fired = {}
+    fired = {}  # signal -> the steps it warned at ("unnamed": a run from before names)
     for metrics in history:
         signals = metrics.get("echo_trap_warnings") or []
         for signal in signals if isinstance(signals, list) else ["unnamed"]:
             fired.setdefault(signal, []).append(metrics.get("step"))
     warned = sorted({step for steps in fired.values() for step in steps})
-    # A curve at 0 every step is left out and named: often 0 by construction (the
-    # page says which).
+    # A curve at 0 every step is left out and named (often 0 by construction).
     logged = {name for metrics in history for name in metrics}
     flat = [name for names in CURVES.values() for name in names
             if name in logged and all(metrics.get(name, 0) == 0 for metrics in history)]
     plotted = {title: [name for name in names if name in logged and name not in flat]
                for title, names in CURVES.items()}
-    curves = {
-        title: curves_png(history, names, warned)
-        for title, names in plotted.items() if names
-    }
+    plotted = {title: names for title, names in plotted.items() if names}
+    curves = {title: curves_png(history, names, warned) for title, names in plotted.items()}
     groups = trajectory_groups(records)
     return TEMPLATE.render(
         page=True, run_dir=run_dir.resolve().name, args=args, problems=problems,
@@ -229,8 +221,7 @@ def report_html(run_dir):
 
 
 def trajectories_html(records):
-    """The page's rendering of some trajectory records, side by side, as HTML (a
-    notebook: IPython's HTML)."""
+    """Some trajectory records side by side, as HTML (a notebook: IPython's HTML)."""
     return TEMPLATE.render(page=False, groups=[(None, None, records)])
 
 

