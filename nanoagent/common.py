@@ -3,10 +3,9 @@ state, printing, shutdown.
 
 A script calls `compute_init()` once at the top and `compute_cleanup()` once at the
 end, and reports bad input by raising `UserError`. Run plainly (`python train.py`)
-it is one process on the best device; under torchrun
-(`torchrun --nproc_per_node=8 train.py`) it joins the process group (NCCL on GPUs,
-gloo on CPU), so the same script is tested with 2 CPU processes on a laptop and runs
-on 8 GPUs per node (and on several nodes with torchrun's --nnodes) unchanged.
+it is one process on the best device; under torchrun it joins the process group
+(NCCL on GPUs, gloo on CPU), so the same script is tested with 2 CPU processes and
+runs on 8 GPUs per node, or several nodes, unchanged.
 """
 
 import datetime
@@ -19,23 +18,19 @@ import torch.distributed as dist
 
 class UserError(RuntimeError):
     """Something the user must fix: a flag, a data file, a directory, a full disk.
-    The scripts print its message and exit with an error status, without a
-    traceback: the message says what to change."""
+    The scripts print its message (what to change) and exit, without a traceback."""
 
 
 def get_dist_info():
-    """Return (is_distributed, rank, local_rank, world_size) from torchrun's
-    environment variables."""
-    if all(key in os.environ for key in ("RANK", "LOCAL_RANK", "WORLD_SIZE")):
-        return True, int(
-            os.environ["RANK"]
-        ), int(os.environ["LOCAL_RANK"]), int(os.environ["WORLD_SIZE"])
+    """(is_distributed, rank, local_rank, world_size) from torchrun's variables."""
+    names = ("RANK", "LOCAL_RANK", "WORLD_SIZE")
+    if all(name in os.environ for name in names):
+        return True, *(int(os.environ[name]) for name in names)
     return False, 0, 0, 1
 
 
 def autodetect_device_type():
-    """'cuda' if a GPU is visible, else 'cpu'. (Apple's mps is left out: it has no
-    NCCL/gloo story.)"""
+    """'cuda' if a GPU is visible, else 'cpu' (Apple's mps has no NCCL/gloo story)."""
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
@@ -90,14 +85,12 @@ def compute_init(device_type=None, timeout_minutes=30):
     raises (NCCL's watchdog ends the process, naming the call): ranks that diverged
     (nanoagent/parallel.py's rule) stop with an error, not a hang."""
     device_type = device_type or autodetect_device_type()
-    assert device_type in (
-        "cuda", "cpu"
-    ), f"unsupported device type {device_type!r}: use 'cuda' or 'cpu'"
+    assert device_type in ("cuda", "cpu"), f"unsupported device type {device_type!r}"
     ddp, rank, local_rank, world_size = get_dist_info()
     if device_type == "cuda":
-        assert torch.cuda.is_available(), "device 'cuda' requested but torch sees no GPU (use --device cpu)"
+        assert torch.cuda.is_available(), "device 'cuda' but torch sees no GPU (--device cpu)"
         device = torch.device("cuda", local_rank)
-        torch.cuda.set_device(device)  # NCCL needs to know which GPU this rank owns before init
+        torch.cuda.set_device(device)  # NCCL needs to know this rank's GPU before init
         torch.backends.cuda.matmul.allow_tf32 = True
     else:
         device = torch.device("cpu")
@@ -108,8 +101,7 @@ def compute_init(device_type=None, timeout_minutes=30):
             timeout=datetime.timedelta(minutes=timeout_minutes)
         )
         dist.barrier()
-    # a 1-rank group: a single GPU trains sharded too (nanoagent/parallel.py)
-    elif device_type == "cuda":
+    elif device_type == "cuda":  # a 1-rank group: a single GPU trains sharded too
         dist.init_process_group(
             backend="nccl", store=dist.HashStore(), rank=0, world_size=1, device_id=device
         )

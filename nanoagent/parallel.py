@@ -1,8 +1,7 @@
 """Multi-GPU plumbing: FSDP2 sharding, sums over ranks, and the weights gathered one
 parameter at a time.
 
-train.py shows the algorithm; this file holds what makes the same step run on 1 or N
-ranks:
+train.py shows the algorithm; this file makes the same step run on 1 or N ranks:
 
 - `shard_model`: PyTorch's FSDP2 (`fully_shard`), applied from outside as torchtitan
   does: every decoder layer is its own FSDP group, then the root (the embedding, the
@@ -14,8 +13,7 @@ ranks:
   float32 (MixedPrecisionPolicy), summed: every rank's loss is its share of the
   whole batch's loss (masks.aggregate_loss with sum_over_ranks), so the sum is the
   batch's gradient. Why fp32 master weights: AdamW's step at lr 1e-6 is below half a
-  bf16 rounding unit of most weights, so a bf16 weight does not move at all
-  (tests/test_parallel.py shows it).
+  bf16 rounding unit of most weights, so a bf16 weight would not move at all.
 - `fill_from_rank0`: train.py builds a sharded model on the meta device (no memory)
   and shards it empty; rank 0 alone reads the checkpoint and sends each rank its
   shards, so no rank holds a whole float32 copy (~28 GB at 7B).
@@ -27,10 +25,10 @@ Training shards whenever a process group is up: under torchrun, and on a single 
 where compute_init starts a 1-rank group, so every GPU run takes this one path. A
 single CPU process uses the plain model.
 
-The rule: every rank makes the same collectives in the same order, whatever its own rows
-hold (each forward and backward of a sharded model is one); one more on a rank leaves the
-others waiting until compute_init's time-out. What keeps each part of train.py's step to
-it (tests/test_parallel.py feeds two ranks skewed rows and compares):
+The rule: every rank makes the same collectives in the same order, whatever its rows
+hold (each forward and backward of a sharded model is one); one more on a rank leaves
+the others waiting until compute_init's time-out. What keeps each part of train.py's
+step to it (tests/test_parallel.py feeds two ranks skewed rows and compares):
 - rollout and eval: an unsharded sampler (a TorchSampler's copy, a rank's own vLLM
   engine) makes none; then one gather_objects (eval: one sums_over_ranks, whether a
   rank played any seed or none);
@@ -77,22 +75,18 @@ def shard_model(model, device, activation_checkpointing=False):
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     if not is_sharded():
         return model
-    policy = MixedPrecisionPolicy(
-        param_dtype=autodetect_dtype(device.type), reduce_dtype=torch.float32
-    )
+    compute_dtype = autodetect_dtype(device.type)
+    policy = MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32)
     for layer in model.base_model.layers:
         fully_shard(layer, mp_policy=policy)
     fully_shard(model, mp_policy=policy)
     for module in model.modules():
         if isinstance(module, FSDPModule):
             module.set_gradient_divide_factor(1.0)
-            # a plain SUM, which every backend has (gloo has no AVG)
-            module.set_force_sum_reduction_for_comms(True)
+            module.set_force_sum_reduction_for_comms(True)  # a SUM: gloo has no AVG
     model.forward_through_root = lambda function, *args: function(*args)
-    # runs it between the root's FSDP hooks
-    register_fsdp_forward_method(model, "forward_through_root")
-    # built on the meta device (models.built): its shards are still empty
-    if hasattr(model, "read_weights"):
+    register_fsdp_forward_method(model, "forward_through_root")  # inside the root's hooks
+    if hasattr(model, "read_weights"):  # built on the meta device: its shards are empty
         fill_from_rank0(model, device)
     return model
 
@@ -100,12 +94,12 @@ def shard_model(model, device, activation_checkpointing=False):
 def fill_from_rank0(model, device):
     """Give a model sharded on the meta device its weights: rank 0 reads them
     (model.read_weights(), in the dtype they are stored in) and sends every rank its
-    shards, one parameter at a time, cast to the shards' dtype. The buffers no checkpoint
-    holds (RoPE's frequencies, lost on the meta device) come from rank 0 too."""
+    shards, one parameter at a time, cast to the shards' dtype. The buffers no
+    checkpoint holds (RoPE's frequencies) come from rank 0 too."""
     model.to_empty(device=device)
     full = model.read_weights() if dist.get_rank() == 0 else None
-    set_model_state_dict(model, full.state_dict() if full is not None else {},
-                         options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
+    options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
+    set_model_state_dict(model, full.state_dict() if full is not None else {}, options=options)
     for name, buffer in model.named_buffers():
         if full is not None:
             buffer.copy_(full.get_buffer(name))
@@ -114,17 +108,16 @@ def fill_from_rank0(model, device):
 
 def forward_through_root(model, function, *args):
     """function(*args), a function that calls parts of `model` (train.py: the body,
-    then the LM head on the kept positions only), as one forward of the root: FSDP
-    gathers the root's parameters only around the root's forward, so two separate calls
-    would miss them; this gathers them before and reduces their gradients after."""
+    then the LM head on the kept positions), as one forward of the root: FSDP gathers
+    the root's parameters only around the root's forward, so two separate calls would
+    miss them; this gathers them before and reduces their gradients after."""
     if isinstance(model, FSDPModule):
         return model.forward_through_root(function, *args)
     return function(*args)
 
 
 def sum_over_ranks(tensor):
-    """The tensor summed over all ranks (the tensor itself without a process group);
-    not differentiable."""
+    """The tensor summed over all ranks (itself without a group); not differentiable."""
     if is_sharded() and dist.get_world_size() > 1:
         tensor = tensor.clone()
         dist.all_reduce(tensor)
@@ -135,8 +128,7 @@ def most_over_ranks(model, count, device):
     """The largest `count` of any rank (one all-reduce) when `model` is sharded: how
     many forward passes every rank makes where each needs `count` (under FSDP2 each
     pass is a collective); `count` itself otherwise."""
-    # sft.py's warm-up runs on rank 0 alone: no collective then
-    if not isinstance(model, FSDPModule):
+    if not isinstance(model, FSDPModule):  # sft.py's warm-up: rank 0 alone, no collective
         return count
     count = torch.tensor(count, device=device)
     dist.all_reduce(count, op=dist.ReduceOp.MAX)
@@ -145,14 +137,13 @@ def most_over_ranks(model, count, device):
 
 def sums_over_ranks(numbers, device):
     """A list of Python numbers summed over ranks: one all-reduce, on a device the
-    backend supports (a CUDA tensor under NCCL, which has no CPU tensors; a CPU
-    tensor under gloo)."""
-    return sum_over_ranks(torch.tensor(numbers, dtype=torch.float64, device=device)).tolist()
+    backend supports (CUDA under NCCL, CPU under gloo)."""
+    numbers = torch.tensor(numbers, dtype=torch.float64, device=device)
+    return sum_over_ranks(numbers).tolist()
 
 
 def gather_objects(objects):
-    """Every rank's list of picklable objects, concatenated in rank order (the list
-    itself on one rank)."""
+    """Every rank's list of picklable objects, concatenated in rank order."""
     if not is_sharded() or dist.get_world_size() == 1:
         return list(objects)
     everyone = [None] * dist.get_world_size()
@@ -162,14 +153,15 @@ def gather_objects(objects):
 
 def full_weights(model, dtype=None):
     """Yield (HF name, full tensor) for every entry of model's state dict, cast to
-    dtype if given, one parameter at a time: never the whole model at once. Every rank
-    must consume it to the end, in the same order (each sharded parameter is one
+    dtype if given, one parameter at a time: never the whole model at once. Every
+    rank must consume it to the end, in the same order (each sharded parameter is one
     all-gather). A tied LM head comes under its own name too: vLLM needs it (a push
-    without it leaves the engine's head at the old weights; tests/test_vllm_sampler.py
-    catches that). A policy with LoRA adapters comes merged, in float32 before the cast
-    (lora.merged): the base model's names and shapes."""
-    gathered = ((name, tensor.full_tensor() if isinstance(tensor, DTensor) else tensor)
-                for name, tensor in model.state_dict().items())
+    without it leaves the engine's head at the old weights). A policy with LoRA
+    adapters comes merged, in float32 before the cast (lora.merged)."""
+    gathered = (
+        (name, tensor.full_tensor() if isinstance(tensor, DTensor) else tensor)
+        for name, tensor in model.state_dict().items()
+    )
     for name, full in merged(model, gathered):
         yield name, full if dtype is None else full.to(dtype)
 
@@ -177,12 +169,11 @@ def full_weights(model, dtype=None):
 def full_state_dict(model, dtype=None):
     """The whole state dict on CPU on rank 0 ({} on other ranks), in dtype if given,
     gathered parameter by parameter, a tied parameter once under its first name, as
-    save_pretrained writes it: it drops a tied copy only when it sees the tie, which
-    it does not in gathered tensors (a sharded model's would be stored twice).
-    Copies, even of a CPU model's tensors: a checkpoint writes them in the
-    background while training goes on. From a GPU they go into pinned host memory
-    without a wait each (PyTorch's caching host allocator hands the same pinned
-    blocks to the next save), and one synchronize ends them all."""
+    save_pretrained writes it (it drops a tied copy only when it sees the tie, which
+    it does not in gathered tensors). Copies, even of a CPU model's tensors: a
+    checkpoint writes them in the background while training goes on. From a GPU they
+    go into pinned host memory without a wait each (PyTorch's caching host allocator
+    reuses the blocks), and one synchronize ends them all."""
     master = not is_sharded() or dist.get_rank() == 0
     owned = {base_name(name) for name, _ in [*model.named_parameters(), *model.named_buffers()]}
     copies = {}
@@ -196,8 +187,8 @@ def full_state_dict(model, dtype=None):
 
 
 def clip_gradients(model, max_norm):
-    """Clip the gradients' norm over every rank's shards to max_norm; returns the
-    norm before, a float."""
+    """Clip the gradients' norm over every rank's shards to max_norm; returns the norm
+    before, a float."""
     norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
     return (norm.full_tensor() if isinstance(norm, DTensor) else norm).item()
 
