@@ -132,9 +132,9 @@ def save_checkpoint(out_dir, step, policy, tokenizer, trainer_state, critic=None
         if hasattr(model, "peft_config"):  # --lora_rank: the adapter alone too; small
             save_adapter(model, subdirectory / "adapter", master)
     # The shards are staged in CPU memory now (from a GPU, into pinned buffers the
-    # run's writer keeps: docs/gpu.md) and written by dcp's own thread, with
-    # collectives on a group of their own: the training's run on the default group
-    # meanwhile (two threads' calls on one group would interleave).
+    # run's writer keeps, far faster than pageable memory) and written by dcp's own
+    # thread, with collectives on a group of their own: the training's run on the
+    # default group meanwhile (two threads' calls on one group would interleave).
     if optimizers and policy not in SHARD_WRITERS:  # the first save: its writer makes them
         cache = torch.cuda.is_available()
         SHARD_WRITERS[policy] = dcp.FileSystemWriter(tmp, cache_staged_state_dict=cache)

@@ -374,9 +374,10 @@ def sample_as_trained(model, temperature):
 
 def load_critic(name_or_path, device="cpu", dtype=torch.float32):
     """PPO's critic: the policy's backbone with a fresh scalar head, V(s_t) for every
-    token: AutoModelForTokenClassification with one label, an ordinary HF model. The
-    head starts at zero, so the first advantages are plain discounted rewards. Call it
-    as `critic(input_ids, attention_mask=...).logits.squeeze(-1)` -> (B, T)."""
+    token: AutoModelForTokenClassification with one label, i.e. backbone +
+    Linear(hidden, 1) per token. The head starts at zero, so the first advantages are
+    plain discounted rewards. Call it as
+    `critic(input_ids, attention_mask=...).logits.squeeze(-1)` -> (B, T)."""
     path = resolve_model_path(name_or_path)
     config = AutoConfig.from_pretrained(path, num_labels=1, attn_implementation="sdpa_grouped")
     is_saved_critic = "ForTokenClassification" in (config.architectures or [""])[0]
@@ -392,9 +393,8 @@ def load_critic(name_or_path, device="cpu", dtype=torch.float32):
             if critic.score.bias is not None:
                 torch.nn.init.zeros_(critic.score.bias)
         return critic
-    return built(
-        read, AutoModelForTokenClassification, path, config, dtype, device
-    ).to(device).eval()
+    critic = built(read, AutoModelForTokenClassification, path, config, dtype, device)
+    return critic.to(device).eval()
 
 
 # ------------------------------------------------------------------------------

@@ -204,8 +204,9 @@ def report_html(run_dir):
             if name in logged and all(metrics.get(name, 0) == 0 for metrics in history)]
     plotted = {title: [name for name in names if name in logged and name not in flat]
                for title, names in CURVES.items()}
-    plotted = {title: names for title, names in plotted.items() if names}
-    curves = {title: curves_png(history, names, warned) for title, names in plotted.items()}
+    curves = {
+        title: curves_png(history, names, warned) for title, names in plotted.items() if names
+    }
     groups = trajectory_groups(records)
     return TEMPLATE.render(
         page=True, run_dir=run_dir.resolve().name, args=args, problems=problems,

@@ -111,8 +111,7 @@ def load_corpus(path_or_rows) -> list[dict]:
     return list(iter_passages(path_or_rows))
 
 # -----------------------------------------------------------------------------
-# Passages on disk: one JSON line each, found by a memory-mapped array of byte
-# offsets
+# Passages on disk: one JSON line each, found by a memory-mapped array of offsets
 
 
 class PassageStore:
@@ -205,10 +204,8 @@ class BM25Retriever:
         bm25s = import_bm25s()
         directory = Path(directory)
         directory.mkdir(parents=True, exist_ok=True)
-        ids, vocabulary = token_ids(
-            passage_text(p)
-            for p in save_passages(passages, directory, total)
-        )
+        written = save_passages(passages, directory, total)
+        ids, vocabulary = token_ids(passage_text(p) for p in written)
         assert len(ids) > 0, "BM25 needs at least one passage"
         model = bm25s.BM25(k1=1.5, b=0.75, method="lucene")
         print(f"indexing {len(ids):,} passages, {len(vocabulary):,} distinct words", flush=True)
@@ -255,8 +252,7 @@ def token_ids(texts):
     return ids, vocabulary
 
 # -----------------------------------------------------------------------------
-# Dense retrieval: an encoder's embeddings in a faiss index (the optional extra
-# requirements-retrieval.txt)
+# Dense retrieval: an encoder's embeddings in faiss (requirements-retrieval.txt)
 
 QUERY_PREFIX, PASSAGE_PREFIX = "query: ", "passage: "  # e5 was trained with these prefixes
 
@@ -307,8 +303,8 @@ class DenseRetriever:
         return cls(PassageStore(directory), SentenceTransformer(encoder_name), index)
 
     def retrieve(self, queries: list[str], k: int) -> list[list[dict]]:
-        # (B, k) each
-        scores, ids = self.index.search(self.encode(self.encoder, queries, QUERY_PREFIX), k)
+        query_vectors = self.encode(self.encoder, queries, QUERY_PREFIX)
+        scores, ids = self.index.search(query_vectors, k)  # (B, k) each
         return [[{**self.passages[int(i)], "id": int(i), "score": float(s)}
                  for s, i in zip(row_scores, row_ids) if i >= 0]
                 for row_scores, row_ids in zip(scores, ids)]

@@ -9,25 +9,26 @@ call; not an attacker with a kernel exploit (no seccomp filter; the kernel is
 shared). `layers()` names the layers here:
 
 1. "process" (always). A new session per call in a fresh temporary directory, stdin
-   closed, four environment variables and none of ours; isolated Python (`-I -S`),
-   so the project cannot be imported; hard limits on CPU, memory, file size, open
-   files and core dumps (util-linux's prlimit); at the time-out or the output cap we
-   kill the process group and every process with the call's token in its
-   environment. Not stopped: what our uid may do (write the repository, signal the
+   closed, four environment variables and none of ours; isolated Python (`-I -S`: no
+   PYTHON* variables, no site-packages), so the project cannot be imported; hard
+   limits on CPU, memory, file size, open files and core dumps (util-linux's
+   prlimit); at the time-out or the output cap we kill the process group and every
+   process with the call's token in its environment (which one that left the group
+   keeps). Not stopped: what our uid may do (write the repository, signal the
    trainer, read its /proc/PID/environ), the network, forks, a process that leaves
    the group and replaces its environment.
 2. "unprivileged uid" (when we are root, as CI is). The program runs as nobody, with
    no groups: it cannot write what root owns, read /root or signal the trainer;
    RLIMIT_NPROC caps its processes. Not stopped: what any user may read (/etc) or
    write (/tmp), the network; calls running at once are all nobody: they may signal
-   each other and share the process cap.
+   each other and share the process cap (killed processes count until reaped).
 3. "bubblewrap" (`apt-get install bubblewrap`). Namespaces: the program sees a
    read-only /usr (and /bin, /lib), its work directory, a private /tmp, /proc, /dev,
    nothing else; no network but its own loopback; uid 65534 in a user namespace,
    where RLIMIT_NPROC counts this call's processes (Linux >= 5.14); a PID namespace,
-   so all it started dies with it. Not stopped: kernel bugs, and many files each
-   under the size cap (memory in /tmp, disk in the work directory) until the
-   time-out.
+   so all it started dies with it, whatever its session or environment. Not
+   stopped: kernel bugs, and many files each under the size cap (memory in /tmp,
+   disk in the work directory) until the time-out.
 """
 
 import contextlib
