@@ -351,12 +351,10 @@ class TorchSampler:
                 state.position += 1
                 state.sampled[:, step], state.sampled_logprobs[:, step] = tokens, logprobs
             state.finished |= torch.isin(state.tokens, stops) | (step + 1 >= state.max_new_tokens)
-            # Which rows still run: read back every step on a CPU, every 8th on a GPU.
             if static and (step + 1) % 8 and step + 1 < steps:
-                continue
+                continue  # static: the stops are read back every 8th step only
             live = (~state.finished).nonzero().squeeze(1)  # (L,) slots
-            # Finished rows leave when the live ones fit a smaller bucket: a power of two with
-            # static shapes (few graphs; a finished slot computes on, unread), else the count.
+            # Finished rows leave when the live ones fit a smaller bucket (static: a power of 2)
             bucket = 1 << (len(live) - 1).bit_length() if static and len(live) else len(live)
             if bucket == len(state.row):
                 continue
@@ -364,7 +362,6 @@ class TorchSampler:
             generations.update(self.finish(state, leaving, prompts, stop_token_ids, keep_finished))
             if not len(live):
                 break
-            # padded with copies of a live slot
             state.select(torch.cat([live, live[:1].expand(bucket - len(live))]))
             state.row[len(live):], state.finished[len(live):] = num_rows, True
             step_function = None  # new shapes: a new graph
