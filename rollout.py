@@ -27,10 +27,9 @@ retrieved text cannot write an assistant turn (prompt injection). Only the templ
 markup gets special tokens: `encode_chat` renders it with a stand-in for each content and
 encodes the two kinds of text apart.
 
-The observation tokens come from `observation_tokens`: render a fixed dummy conversation
-that ends with an assistant turn, with and without the new messages, and keep what the
-new messages added after the dummy's <|im_end|>. The history itself is never rendered
-again. Two places where the template's text and the sampled tokens part ways:
+The observation tokens come from `observation_tokens`, by suffix difference after a
+dummy conversation; the history itself is never rendered again. Two places where the
+template's text and the sampled tokens part ways:
   - The template writes "<|im_end|>\n" after every assistant turn, but the model samples
     only up to <|im_end|>. The "\n" is the environment's: it opens the observation tokens.
   - A turn cut by max_new_tokens has no <|im_end|>. The template would close the turn
@@ -197,9 +196,8 @@ def append(trajectory, token_ids, mask, logprobs=None):
 
 
 def close_turn(generation, end_of_turn):
-    """A sampled turn's (ids the env reads as text, ids to append after it): the text without
-    the stop token; a turn cut by length gets an env-written <|im_end|>, so the chat stays well
-    formed."""
+    """(the turn's ids without its stop token, for the env to read; the <|im_end|> the env
+    appends if the turn has none)."""
     stopped = generation.finish_reason == "stop"
     sampled = generation.token_ids[:-1] if stopped else generation.token_ids
     closing = [] if generation.token_ids[-1] == end_of_turn else [end_of_turn]
@@ -235,7 +233,7 @@ def start_episodes(tokenizer, make_env, seeds, group_size, max_total_tokens):
 
 
 def add_step_info(info, step_info):
-    """An episode's info after a step: the step's, calls and format errors summed."""
+    """Trajectory.info after a step."""
     return {
         **step_info,
         "tool_calls": info.get("tool_calls", 0) + step_info["tool_calls"],
@@ -251,9 +249,8 @@ def rollout(
 ):
     """Play group_size episodes of every env seed, turn by turn: the trajectories, grouped by
     seed. make_env() returns a fresh env; episode j of seeds[i] is member j of group i. A turn
-    gets at most max_new_tokens tokens, a trajectory max_total_tokens. Episode (seed, member)
-    samples turn k with a seed from (sample_seed, seed, member, k), so its tokens do not
-    depend on which others share the batch."""
+    gets at most max_new_tokens tokens and its own seed (sample_seed_for), a trajectory
+    max_total_tokens."""
     assert truncated_reward in ("keep", "zero"), (
         f"truncated_reward must be 'keep' or 'zero', got {truncated_reward!r}"
     )
@@ -276,8 +273,7 @@ def rollout(
             append(trajectory, generation.token_ids, 1, generation.logprobs)
             trajectory.turn_end_positions.append(len(trajectory.token_ids) - 1)
             trajectory.num_turns += 1
-            # The env reads text: the turn without its stop token. Decoding is fine, it is
-            # never re-encoded.
+            # Decoding is fine: the text is never re-encoded.
             sampled, closing = close_turn(generation, end_of_turn)
             texts.append(tokenizer.decode(sampled))
             closings.append(closing)

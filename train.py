@@ -15,9 +15,9 @@ One step, top to bottom (`main`): 1. rollout (rollout.py), 2. StarPO-S filter, 3
 PPO-clip update through the action mask, 6. sync the sampler's weights, 7. log, Echo-Trap
 monitors (RAGEN), eval, atomic checkpoints.
 
-The tiny model starts from random weights, so the default run first performs a short,
+The tiny model starts from random weights, so the default run first does a short,
 cached supervised warm-up (sft.py); pass --warmup_steps 0 for an instruct model that
-already knows the tool-call format.
+knows the tool-call format.
 
 On N ranks every rank rolls out its share of the prompts, all ranks see the whole batch,
 and each trains on an equal slice of the kept groups; token counts, whitening and metrics
@@ -70,16 +70,13 @@ from nanoagent.sampler import TorchSampler
 # -----------------------------------------------------------------------------
 # Flags
 
-# RAGEN's StarPO-S in one flag: keep the top 25% of groups by reward std, decoupled
-# clipping 0.2/0.28, no KL, and a critic (PPO). Explicit flags override these.
+# RAGEN's StarPO-S in one flag (--starpo_s); explicit flags override these.
 STARPO_S = {"algo": "ppo", "filter_ratio": 0.25, "clip_low": 0.2, "clip_high": 0.28, "kl": "none"}
-# The defaults of the flags that StarPO-S or an env (its `train_defaults`, e.g. the
-# compute task's) may change.
+# Defaults of the flags that StarPO-S or an env's `train_defaults` may change.
 DEFAULTS = {"algo": "grpo", "filter_ratio": 1.0, "clip_low": 0.2, "clip_high": 0.2, "kl": "none",
             "model": "tiny", "max_new_tokens": 32, "max_turns": 4, "max_total_tokens": 512,
             "lr": 1e-3, "warmup_mistake_rate": 0.6, "truncated_reward": "keep"}
-# The flags of --env's rollout that an --agent program, which plays its own
-# episodes, never reads.
+# --env's rollout flags: an --agent program plays its own episodes.
 ROLLOUT_ONLY_FLAGS = ("max_turns", "truncated_reward")
 
 
@@ -153,9 +150,8 @@ def get_args(argv=None):
     add("--no_action_mask", action="store_true",
         help="ablation: environment tokens enter the loss too")
     add("--on_echo_trap", default="warn", choices=["warn", "stabilize"],
-        help="on a warning: only warn, or on an Echo Trap ('stalled') also filter groups "
-        "(--filter_ratio 0.25) and halve the learning rate; a 'collapse' only warns "
-        "(resume from an earlier checkpoint); docs/results.md")
+        help="warn only, or on an Echo Trap ('stalled') also filter groups (--filter_ratio 0.25) "
+        "and halve the learning rate; a 'collapse' only warns; docs/results.md")
     add("--tis_cap", type=float,
         help="truncated importance sampling: weight each token by min(pi_trainer_old / "
         "pi_sampler, cap), for a sampler whose kernels differ (default: off)")
@@ -190,7 +186,7 @@ def get_args(argv=None):
 
     starpo_s = STARPO_S if args.starpo_s else {}
     for key, value in {**DEFAULTS, **envs.ENVS[args.env].train_defaults, **starpo_s}.items():
-        if getattr(args, key) is None:  # flags the user gave win
+        if getattr(args, key) is None:
             setattr(args, key, value)
     args.kl_estimator = args.kl_estimator or ("k1" if args.kl == "in_reward" else "k3")
     if args.gamma is None:
@@ -254,8 +250,7 @@ def get_args(argv=None):
 
 @dataclasses.dataclass
 class Run:
-    """What the training loop needs: the process, the models, the sampler, the env, the
-    run's state."""
+    """What set_up builds for the loop."""
     rank: int
     world_size: int
     device: torch.device
@@ -378,7 +373,6 @@ def starting_point(args, checkpoint, rank, world_size, device):
     if world_size > 1:
         dist.barrier()
     if rank != 0:
-        # Cached by rank 0 by now: only the path.
         model_path = starting_weights(args, device)
     return model_path, None
 
@@ -408,8 +402,7 @@ def load_models(args, model_path, reference_path, device, dtype):
 
 
 def make_optimizers(args, policy, critic):
-    """{"policy": (model, AdamW), "critic": (model, AdamW)}, the critic's with PPO
-    only."""
+    """Run.optimizers: AdamW for the policy, and for the critic with PPO."""
     # With LoRA, A and B only.
     trainable = [parameter for parameter in policy.parameters() if parameter.requires_grad]
     optimizer = torch.optim.AdamW(trainable, lr=args.lr, betas=(0.9, 0.99), weight_decay=0.0)
@@ -750,8 +743,8 @@ def end_of_step(run, args, step, trajectories, kept, scored, shares, overall, pr
     due. The update's numbers are lists, one per update, logged as their mean (0.0 when
     empty: a critic warm-up step): `shares` of a batch mean, summed over ranks, `overall`
     ones the same on every rank. `scored`: this rank's batch, trajectories, old log-probs and
-    advantages. `probe`: cross_prompt_logprobs' matrix (None: fewer than 2 prompts)."""
-    # The sampler's log-probs against the trainer's old ones: ~0 in float32, ~1e-2 in bf16.
+    advantages. `probe`: cross_prompt_logprobs' matrix."""
+    # The sampler's log-probs against the trainer's old ones (sampler.py's convention).
     mismatch = (scored["sampler_logprobs"][:, 1:] - scored["old_logprobs"]).abs()
     shares["logprob_mismatch"] = [batch_mean(mismatch, scored["action_mask"][:, 1:]).item()]
     mean = lambda values: statistics.fmean(values) if values else 0.0
@@ -785,7 +778,7 @@ def end_of_step(run, args, step, trajectories, kept, scored, shares, overall, pr
     metrics["echo_trap_warnings"] = list(warnings)  # the signals that fired
     for signal, message in warnings.items():
         print0(f"WARNING step {step + 1}: {signal}: {message}")
-    if args.on_echo_trap == "stabilize":  # informative groups only, smaller steps from now on
+    if args.on_echo_trap == "stabilize":
         acted = stabilize_on_echo_trap(run.control, step + 1, warnings)
         if acted is not run.control:
             run.control = acted
@@ -856,8 +849,7 @@ def evaluate_held_out(sampler, tokenizer, args, rank=0, world_size=1, device="cp
 
 
 # Candidate early signs of collapse, logged every step; bench/reproduce.py collapse_signals
-# measures which lead. RAGEN-2's probe scores N first turns after N prompts: N^2 short
-# rows, chance 1/N.
+# measures which lead. The probe costs N^2 short rows.
 PROBE_PROMPTS = 8
 
 
@@ -937,13 +929,11 @@ def recent_change(history, key, window=5):
     return history[-1][key] / baseline - 1 if baseline else 0.0
 
 
-# The monitor warns on two states, named apart: the Echo Trap (RAGEN: a run whose
-# groups answer alike, in-group reward std fading, before it took off) and a
-# collapse (training success below half its best, the collapse studies' own rule).
-# The leading signals studied (RAGEN-2's retrieval accuracy, gradient-norm spikes,
-# ...) are logged, not warned on: none led a collapse at this scale without also
-# firing on healthy runs. How each did: docs/results.md, "The monitor on healthy
-# runs" and "Which signals lead a collapse".
+# The monitor warns on two states, named apart (its messages say each): the Echo Trap
+# (RAGEN) and a collapse. The leading signals studied (RAGEN-2's retrieval accuracy,
+# gradient-norm spikes, ...) are logged, not warned on: none led a collapse at this
+# scale without also firing on healthy runs. How each did: docs/results.md, "The
+# monitor on healthy runs" and "Which signals lead a collapse".
 COLLAPSE_FLOOR, COLLAPSE_BEST, STALLED_SUCCESS = 0.5, 0.2, 0.2
 
 
@@ -985,9 +975,8 @@ ECHO_TRAP_FILTER_RATIO, ECHO_TRAP_LR_FACTOR, ECHO_TRAP_COOLDOWN = 0.25, 0.5, 10
 
 
 def stabilize_on_echo_trap(control, step, warnings):
-    """The run's {"lr", "filter_ratio", "last_action_step"} after `warnings`, a new dict when
-    it acts: on the Echo Trap ("stalled") only, the policy reinforcing one answer pattern, so
-    steps become smaller and come from groups that still disagree."""
+    """`control` after `warnings`, a new dict when it acts: on "stalled" only, smaller steps
+    from groups that still disagree."""
     last = control["last_action_step"]
     if "stalled" not in warnings or (last is not None and step - last < ECHO_TRAP_COOLDOWN):
         return control
@@ -1005,7 +994,7 @@ def finish_run(run, args):
         f"checkpoints in {run.out_dir}"
     )
     if args.sampler == "vllm":
-        run.sampler.close()  # before compute_cleanup: the engine's process groups go first
+        run.sampler.close()  # before compute_cleanup (VLLMSampler.close says why)
     compute_cleanup()
 
 # -----------------------------------------------------------------------------
@@ -1021,36 +1010,31 @@ def main(argv=None):
         initial=run.start_step, total=args.steps,
     )
     for step in progress:
-        # 1. Rollout: each rank plays its share of the seeds; all ranks see the whole batch.
+        # 1. Rollout.
         trajectories = play_episodes(run, args, step)
-        if args.vllm_sleep:  # the engine's weights to CPU, its KV cache freed until step 6
+        if args.vllm_sleep:  # frees its GPU memory until step 6
             run.sampler.sleep()
 
-        # 2. Filter (StarPO-S): train on the groups whose outcomes differ, ranked over all ranks;
-        # this rank trains on `mine` of them.
+        # 2. Filter (StarPO-S) over all ranks; this rank trains on `mine` of them.
         kept = keep_high_variance_groups(trajectories, run.control["filter_ratio"])  # 1.0: all
         mine = slice(len(kept) * rank // run.world_size, len(kept) * (rank + 1) // run.world_size)
         batch = masks.collate(kept[mine], run.tokenizer.pad_token_id)
         batch = {key: value.to(device) for key, value in batch.items()}
         input_ids, attention_mask = batch["input_ids"], batch["attention_mask"]  # (B, T)
-        # The loss mask (B, T-1): tokens the policy chose (in the ablation, every
-        # real token).
+        # The loss mask (B, T-1): tokens the policy chose (ablation: every real token).
         loss_mask = attention_mask if args.no_action_mask else batch["action_mask"]
         loss_mask = loss_mask[:, 1:].float()
         prompt_lengths = batch["prompt_lengths"] if run.share_prompts else None  # (B,)
         token_rewards = batch["token_rewards"][:, 1:].clone()  # (B, T-1): on turns' last tokens
 
-        # 3. Score the batch with the pre-update policy (the "old" policy of the PPO ratio),
-        # reference, critic. A single update skips the separate pass: its own forward pass
-        # fills in the old log-probs (step 5).
+        # 3. Score with the pre-update ("old") policy, the reference and the critic.
         num_minibatches = count_minibatches(args, len(kept), run.world_size)
         single_update = is_single_update(args, len(kept), step)
         with torch.no_grad():
             old_logprobs, ref_logprobs, values, last_values = score_batch(
                 run, args, batch, loss_mask, prompt_lengths, single_update
             )
-            # RAGEN-2's template-collapse probe, on the policy that sampled the
-            # responses.
+            # RAGEN-2's template-collapse probe, on the pre-update policy.
             probe = cross_prompt_logprobs(  # (N, N), or None
                 policy, trajectories, run.tokenizer.pad_token_id, args.temperature,
                 run.share_prompts, device,
@@ -1064,17 +1048,17 @@ def main(argv=None):
             advantages, returns, explained_variance = credit(
                 args, kept, mine, batch, token_rewards, loss_mask, values, last_values
             )
-        overall = {"grad_norm": []}  # numbers the same on every rank
+        overall = {"grad_norm": []}
         overall.update({"tis_weight_max": []} if args.tis_cap else {})
         if explained_variance is not None:
             overall["explained_variance"] = [explained_variance]
 
-        # 5. Update: ppo_epochs passes over minibatches of trajectories. Each rank's loss is its
-        # share of the minibatch's (token counts over all ranks): FSDP sums their gradients.
+        # 5. Update: ppo_epochs passes over minibatches of trajectories; each rank's loss is
+        # its share (batch_mean).
         generator = torch.Generator().manual_seed(args.seed * 7919 + step + 104729 * rank)
         keys = ["policy_loss", "value_loss", "entropy", "clip_fraction", "approx_kl"]
         keys += ["tis_weight_mean", "tis_capped_fraction"] if args.tis_cap else []
-        shares = {key: [] for key in keys}  # this rank's shares of batch means, one per update
+        shares = {key: [] for key in keys}
         for _ in range(args.ppo_epochs):
             order = torch.randperm(input_ids.shape[0], generator=generator)
             for rows in order.tensor_split(num_minibatches):
@@ -1122,10 +1106,10 @@ def main(argv=None):
                     shares["clip_fraction"].append(batch_mean(clipped.float(), mask).item())
                     shares["approx_kl"].append(batch_mean(approx_kl, mask).item())
 
-        # 6. Sync: the sampler gets the new weights (a TorchSampler on the policy: drops its cache).
+        # 6. Sync: the sampler gets the new weights.
         run.sampler.update_weights(policy, run.dtype)
 
-        # 7. Log, watch, evaluate, checkpoint; keep a group's trajectories as the update saw them.
+        # 7. Log, watch, evaluate, checkpoint.
         scored = dict(
             batch, trajectories=kept[mine], old_logprobs=old_logprobs, advantages=advantages
         )

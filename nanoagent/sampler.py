@@ -6,8 +6,7 @@ alike, and take the policy's new weights after every update through `update_weig
 `TorchSampler` (plain PyTorch on the trainer's own model: the tests and CPU runs) and
 `VLLMSampler` (a vLLM engine beside the trainer, for real models).
 
-Token in, token out: nothing is decoded and re-encoded here, as a re-tokenized sample is
-not the sample the log-probs belong to (rollout.py explains).
+Token in, token out: nothing is decoded here (rollout.py says why).
 
 Log-prob convention. Each sampled token comes with log softmax(logits / temperature)
 [token]: the temperature is applied, top-p truncation is not, as in the trainer's own
@@ -15,8 +14,8 @@ forward pass, so the two compare token by token (greedy decoding reports the
 temperature-1 log-prob). train.py logs the gap as `logprob_mismatch`: near 0 in float32,
 ~1e-2 in bf16; more means stale weights or another dtype or kernel.
 
-Seeds. `seed` is one int or one per row. Each row draws from its own torch.Generator, so
-its tokens depend on its own seed only, never on its batch.
+Seeds. Each row draws from its own torch.Generator, so its tokens depend on its own seed
+only, never on its batch.
 """
 
 import os
@@ -179,9 +178,8 @@ class TorchSampler:
         self.saved, self.saved_weights = {}, None
 
     def update_weights(self, policy, dtype):
-        """Take the policy's weights after an update: on the (unsharded) policy itself, drop
-        the prefix cache; on a copy (the policy is sharded), also copy full_weights(policy) in
-        `dtype` into it, one parameter at a time, on every rank."""
+        """Drop the prefix cache; on a copy of a sharded policy, first copy
+        full_weights(policy) in `dtype` into it, one parameter at a time, on every rank."""
         if self.model is not policy:
             own = self.model.state_dict()
             with torch.no_grad():
@@ -206,7 +204,7 @@ class TorchSampler:
         version = [parameter._version for parameter in self.model.parameters()]
         previous = self.saved if self.saved_weights == version else {}  # the last call's rows
         self.saved, self.saved_weights = {}, version
-        order = sorted(range(len(prompts)), key=lambda row: len(prompts[row]))  # by length
+        order = sorted(range(len(prompts)), key=lambda row: len(prompts[row]))
         chunk = self.batch_size or max(len(prompts), 1)
         results = [None] * len(prompts)
         was_training = self.model.training
@@ -244,7 +242,7 @@ class TorchSampler:
         input_ids, position_ids, attention_mask = self.left_padded(distinct, reused, device)
         steps = max(max_new_tokens)
         cache = self.new_cache(attention_mask.shape[1] + steps, reused)
-        # Each row draws its uniforms up front from its own seed: they cannot depend on the batch.
+        # Each row's own seed: its tokens never depend on the batch.
         uniforms = torch.zeros(len(prompts), steps)  # (B, T)
         for row, (limit, seed) in enumerate(zip(max_new_tokens, seeds)):
             uniforms[row, :limit] = torch.rand(limit, generator=torch.Generator().manual_seed(seed))
@@ -271,7 +269,7 @@ class TorchSampler:
     def longest_saved_prefix(prompt, saved, saved_lengths):
         """(cached tokens, per-layer (keys, values)) of the longest saved start of `prompt`,
         leaving its last token to run (its logits start the sampling); (0, None) if none."""
-        for length in saved_lengths:  # longest first
+        for length in saved_lengths:
             if length <= len(prompt) and (layers := saved.get(tuple(prompt[:length]))) is not None:
                 return min(length, len(prompt) - 1), layers
         return 0, None
@@ -467,9 +465,8 @@ class VLLMSampler:
     - on the CPU it binds OpenMP threads to cores and makes `torch.set_num_threads` a no-op
       for the whole process: set OMP_NUM_THREADS (or the threads) before building it.
 
-    Sleep mode (GPU only). `sleep()` frees the weights and KV cache while the trainer
-    updates, and `update_weights` wakes the weights *before* loading into them: waking after
-    loading restores the old ones, a stale-weights bug TRL once shipped."""
+    Sleep mode (GPU only). `update_weights` wakes the weights *before* loading into them:
+    waking after loading restores the old ones, a stale-weights bug TRL once shipped."""
 
     KV_CACHE_BYTES_ON_CPU = 256 * 2**20
 
