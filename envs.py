@@ -50,7 +50,6 @@ EVAL_SEED_START = 10_000_000
 
 
 def eval_seeds(n: int) -> range:
-    """The first n evaluation seeds."""
     return range(EVAL_SEED_START, EVAL_SEED_START + n)
 
 
@@ -281,7 +280,7 @@ def normalize_qa_row(row: dict) -> dict:
     }
 
 
-HELD_OUT_SHARE = 0.1  # the share of a local file's rows held out as "validation"
+HELD_OUT_SHARE = 0.1
 
 
 def held_out(row_id: str) -> float:
@@ -328,8 +327,7 @@ def read_rows(source: str, split: str) -> tuple[object, bool]:
 
 
 def load_qa_dataset(source: str, split: str = "train", limit: int | None = None) -> list[dict]:
-    """Normalised rows of `split` from a local file (split by local_split) or the Hub:
-    "hotpotqa", "2wikimultihopqa", "musique" or a Hub name with their schema."""
+    """Normalised rows of `split`, from a local file (local_split) or the Hub."""
     rows, local = read_rows(source, split)
     normalized = []
     for index, row in enumerate(rows):
@@ -604,7 +602,6 @@ def run_own_program(code: str) -> str:
     return printed.getvalue()
 
 
-# the python tool's schema, run here
 DEMONSTRATION_PYTHON_TOOL = replace(PYTHON_TOOL, function=run_own_program, batch_function=None)
 
 
@@ -662,8 +659,7 @@ class ComputeEnv(ToolEnv):
         """This episode's assistant turns (after reset), for sft.py: the kind's program,
         then the number it prints, each copy wrong with probability mistake_rate (a digit
         miscopied). The agent always calls the tool (guesses, as in QA's flawed
-        demonstrations, taught it to stop); RL sharpens the copying. The episode's tool
-        becomes DEMONSTRATION_PYTHON_TOOL."""
+        demonstrations, taught it to stop); RL sharpens the copying."""
         rng = rng or random.Random(0)
         self.tools = {"python": DEMONSTRATION_PYTHON_TOOL}
         numbers = dict(self.numbers)
@@ -900,7 +896,6 @@ PERPENDICULAR = {
 
 
 def shifted(cell, action):
-    """The cell one move away from `cell`."""
     return cell[0] + MOVES[action][0], cell[1] + MOVES[action][1]
 
 

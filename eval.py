@@ -58,13 +58,11 @@ def pass_at_k(n: int, c: int, k: int) -> float:
 
 
 def pass_ks(samples: int) -> list[int]:
-    """The k reported for `samples` per seed: the powers of two below it, and itself."""
     return sorted({2 ** i for i in range(samples.bit_length()) if 2 ** i < samples} | {samples})
 
 
 def summarize(trajectories: list) -> dict:
-    """The table's numbers for rollout.Trajectory objects: rollout.summarize's, and pass@k
-    over each seed's samples (as many per seed)."""
+    """The table's row (module docstring) of trajectories, as many per seed each."""
     successes = defaultdict(list)  # env seed -> success of each sample
     for trajectory in trajectories:
         successes[trajectory.seed].append(bool(trajectory.info["success"]))
@@ -134,7 +132,6 @@ class BaselineEnv:
         return [{"role": "system", "content": system}, {"role": "user", "content": question}], []
 
     def step(self, assistant_text: str) -> envs.StepResult:
-        """The wrapped env's step: its scoring, rewards and info."""
         return self.env.step(assistant_text)
 
 

@@ -181,7 +181,6 @@ def place_rewards(turn_rewards, turn_end_positions, action_mask):
 
 
 def assert_rewards_on_mask(token_rewards, action_mask):
-    """Estimators read rewards on agent tokens only: one elsewhere would silently vanish."""
     off_mask = torch.where(action_mask.bool(), torch.zeros_like(token_rewards), token_rewards)
     assert (off_mask == 0).all(), (
         "reward on a non-agent token would be lost: place it with place_rewards"

@@ -76,7 +76,6 @@ class RequestError(ValueError):
         self.param, self.code, self.status = param, code, status
 
 
-# Options the samplers cannot honour: refused unless absent or neutral.
 NEUTRAL = {
     "n": 1, "presence_penalty": 0, "frequency_penalty": 0, "repetition_penalty": 1,
     "logit_bias": {}, "top_k": -1, "min_p": 0, "best_of": 1, "top_logprobs": 0,
@@ -96,8 +95,7 @@ def checked(body, field, default, low, high, kind=(int, float)):
 
 
 def read_options(body, max_new_tokens):
-    """The request's sampling options, checked: (max new tokens, temperature, top_p,
-    seed, stop)."""
+    """The request's sampling options, checked."""
     for field, neutral in NEUTRAL.items():
         if body.get(field) not in (None, neutral):
             raise RequestError(
@@ -230,8 +228,7 @@ class Server:
         threading.Thread(target=self.http.serve_forever, daemon=True).start()
 
     def sample_batches(self):
-        """The sampler thread: turns that arrive within window_s of the first share a
-        generate. A failure fails those requests, never the thread."""
+        """The sampler thread (the module docstring's Batching)."""
         while True:
             batch, deadline = [self.turns.get()], time.monotonic() + self.window_s
             while (left := deadline - time.monotonic()) > 0:
@@ -273,7 +270,7 @@ class Server:
         """The idle conversation of `episode` (the longest) whose history `keys` extends
         by messages that are not assistant turns, else a new one (its next segment),
         registered at once: concurrent first requests get segments, so seeds, of their
-        own. Marked busy."""
+        own."""
         with self.lock:
             if not self.is_open(episode):  # a killed program's late request
                 raise RequestError(
@@ -396,7 +393,7 @@ class Server:
             "format_error": False, "calls": [asdict(call) for call in calls],
         })
         trajectory.messages += new_messages + [{"role": "assistant", "content": text}]
-        reply_tokens = sampled, generation.logprobs[:len(sampled)]  # the text's tokens
+        reply_tokens = sampled, generation.logprobs[:len(sampled)]
         if not calls or any(call.error for call in calls):  # none, or a malformed one
             finish_reason = "stop" if generation.finish_reason == "stop" else "length"
             return {"role": "assistant", "content": text}, finish_reason, *reply_tokens
@@ -435,7 +432,7 @@ class Server:
         except ValueError:
             report = None
         reward = report.get("reward") if isinstance(report, dict) else None
-        reward = float(reward) if isinstance(reward, (int, float)) else None  # a number
+        reward = float(reward) if isinstance(reward, (int, float)) else None
         if returncode != 0 or reward is None or not trajectories:
             why = (
                 f"exit code {returncode}: {errors.strip()[-300:]}" if returncode != 0
@@ -493,7 +490,6 @@ class Server:
                 if group_id not in dropped for trajectory in result]
 
     def close(self):
-        """Stop answering and free the port."""
         self.http.shutdown()
         self.http.server_close()
 
@@ -534,8 +530,7 @@ class HTTPServer(ThreadingHTTPServer):
 
 
 class Handler(BaseHTTPRequestHandler):
-    """HTTP for the Server at self.server.endpoint: /v1/... or an episode's
-    /episodes/<id>/v1/..."""
+    """HTTP for the Server at self.server.endpoint."""
     protocol_version = "HTTP/1.1"  # keep-alive: the openai client reuses its connections
 
     def route(self):

@@ -25,7 +25,7 @@ loss mask 0 and the policy learns only from what it wrote (the call).
 Errors go back to the model as text. A malformed call, an unknown tool, a wrong
 argument, an exception, a timeout: each is an observation the model reads next turn, so
 it learns what a valid call is from the consequences (a wasted turn, a lower reward),
-and a bad call never crashes training. Nothing here raises on model output.
+and a bad call never crashes training.
 
 Batches. A tool with a `batch_function` gets a turn's calls from all episodes at once:
 the retriever answers them with one HTTP request, encoder forward or BM25 pass; the
@@ -261,7 +261,6 @@ def tool_worker():
 
 
 def serve_tool_calls(tasks):
-    """A worker's loop: runs each (function, arguments, result, done) task, sets done."""
     while True:
         function, arguments, result, done = tasks.get()
         try:
@@ -384,7 +383,7 @@ def search_tool(passages_or_retriever, top_k: int = 3, max_chars: int = 1500) ->
 def python_tool(limits: sandbox.Limits = sandbox.Limits(output_bytes=1500)) -> Tool:
     """The "python" tool: {"code": str} -> what the program printed, or why it was
     stopped (its output cap is below run_tool_calls' cut: the sandbox's note is read). A
-    crash is the tool's answer, not a bad call. A turn's programs run one per core."""
+    crash is the tool's answer, not a bad call."""
     def run_batch(arguments: list[dict]) -> list[str]:
         with ThreadPoolExecutor(os.cpu_count()) as pool:
             return list(pool.map(

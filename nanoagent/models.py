@@ -54,8 +54,8 @@ from nanoagent.parallel import most_over_ranks
 QWEN25_CHAT_TEMPLATE = (Path(__file__).parent / "qwen25_chat_template.jinja").read_text()
 
 # Qwen2.5's pre-tokenizer regex: contractions, letter runs with one leading
-# non-letter, single digits, punctuation runs, newlines, spaces. Digits split one by
-# one, so numbers never merge into odd chunks.
+# non-letter, single digits (numbers never merge into odd chunks), punctuation runs,
+# newlines, spaces.
 QWEN25_PATTERN = (
     r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"""
     r"""| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"""
@@ -114,8 +114,7 @@ def byte_level_pipeline(tokenizer):
 
 
 def with_qwen25_tokens_and_template(tokenizer, extra_tokens=()):
-    """Add Qwen2.5's added tokens (in Qwen's id order) and chat template; return a
-    transformers tokenizer."""
+    """Add Qwen2.5's added tokens and chat template -> a transformers tokenizer."""
     tokenizer.add_tokens([
         AddedToken(token, special=special, normalized=False)
         for token, special in QWEN25_ADDED_TOKENS
@@ -136,10 +135,8 @@ def with_qwen25_tokens_and_template(tokenizer, extra_tokens=()):
 # ------------------------------------------------------------------------------
 # The tiny offline model
 
-# What the tiny BPE is trained on: the chat template's fixed text, tool-call JSON,
-# the tags and the short English the environments write. A few hundred merges cover
-# it; anything else still encodes, byte by byte, because the base alphabet is all
-# 256 bytes.
+# What the tiny BPE is trained on: the chat template's fixed text, tool-call JSON, the
+# tags and the short English the environments write. A few hundred merges cover it.
 TINY_CORPUS = [
     "<|im_start|>system\nYou are Qwen, created by Alibaba Cloud. You are a helpful "
     "assistant.<|im_end|>\n",
@@ -178,12 +175,12 @@ TINY_CORPUS = [
     "word problem apply",
     "Who\nWhat\nWhere\nWhen\nWhich\nHow\nIn\nThe\nNo\nYes\nAnswer\nInvalid\nError\n",
 ]
-# Short English words the environments use as names (envs.py: NAMES, the bandit's
-# arms). They are whole added tokens, so a name is the same single token wherever it
-# stands (" Oak" in a question, "Oak" after a quote or at a line start): copying a
-# name from a search result is then the identity, which a tiny model learns in
-# minutes, instead of a learned mapping between two spellings.
-TINY_NAMES = (  # the last six: the bandit's arms
+# Short English words the environments use as names (envs.py: NAMES; the last six are
+# the bandit's arms). They are whole added tokens, so a name is the same single token
+# wherever it stands (" Oak" in a question, "Oak" after a quote or at a line start):
+# copying a name from a search result is then the identity, which a tiny model learns
+# in minutes, instead of a learned mapping between two spellings.
+TINY_NAMES = (
     "Amber Aspen Birch Cedar Coral Daisy Delta Ember Fable Fern Flint Frost Gale Grove "
     "Hazel Heron Iris Ivory Jade Juniper Kestrel Lark Laurel Lotus Maple Marsh Meadow "
     "Mint Moss Nova Oak Olive Onyx Opal Orchid Pearl Pebble Pine Plum Quartz Raven Reed "
@@ -343,8 +340,8 @@ def built(read, auto_class, path, config, dtype, device):
     """read(dtype) -> the model from the checkpoint at path, except on the meta
     device (where train.py builds the models it shards): there the architecture
     without memory, and `model.read_weights()`, which rank 0 alone calls when
-    parallel.shard_model fills the shards, reading the weights in the dtype they are
-    stored in (model.stored_dtype), so no rank holds a whole float32 copy."""
+    parallel.shard_model fills the shards, reading the weights in their stored dtype
+    (model.stored_dtype), so no rank holds a whole float32 copy."""
     stored_dtype = config.dtype or torch.float32  # first: loading sets config.dtype
     if torch.device(device).type != "meta":
         model = read(dtype)
@@ -373,10 +370,9 @@ def sample_as_trained(model, temperature):
 
 
 def load_critic(name_or_path, device="cpu", dtype=torch.float32):
-    """PPO's critic: the policy's backbone with a fresh scalar head, V(s_t) for every
-    token: AutoModelForTokenClassification with one label, i.e. backbone +
-    Linear(hidden, 1) per token. The head starts at zero, so the first advantages are
-    plain discounted rewards. Call it as
+    """PPO's critic, V(s_t) for every token: the policy's backbone with a fresh
+    Linear(hidden, 1) head (AutoModelForTokenClassification, one label). The head
+    starts at zero, so the first advantages are plain discounted rewards. Call it as
     `critic(input_ids, attention_mask=...).logits.squeeze(-1)` -> (B, T)."""
     path = resolve_model_path(name_or_path)
     config = AutoConfig.from_pretrained(path, num_labels=1, attn_implementation="sdpa_grouped")

@@ -86,8 +86,8 @@ def to_contents(passage: dict) -> str:
 def iter_passages(path_or_rows):
     """Passages as {"title", "text"} from a JSONL or parquet file, or any iterable
     of dicts (a list, a datasets.Dataset). Rows are {"title", "text"} (a missing
-    title becomes "") or Search-R1's {"contents": '"Title"\\ntext'}. A file is read
-    lazily, line by line."""
+    title becomes "") or Search-R1's {"contents": '"Title"\\ntext'}. A JSONL file
+    is read lazily."""
     if isinstance(path_or_rows, (str, Path)):
         path = Path(path_or_rows)
         if path.suffix == ".parquet":
@@ -199,8 +199,8 @@ class BM25Retriever:
 
     @classmethod
     def build(cls, passages, directory, total=None) -> "BM25Retriever":
-        """Indexes `passages` (any iterable, written to disk as it is read) and
-        saves the index in `directory`; returns the loaded, memory-mapped retriever."""
+        """Indexes `passages` (any iterable, streamed to disk) into `directory`;
+        returns load(directory)."""
         bm25s = import_bm25s()
         directory = Path(directory)
         directory.mkdir(parents=True, exist_ok=True)
@@ -224,7 +224,6 @@ class BM25Retriever:
         )
 
     def retrieve(self, queries: list[str], k: int) -> list[list[dict]]:
-        """Best first, ties to the lower index; a passage sharing no word is never returned."""
         vocabulary, scores = self.model.vocab_dict, self.model.scores
         indptr, indices, data = scores["indptr"], scores["indices"], scores["data"]
         results = []
