@@ -102,7 +102,9 @@ def iter_passages(path_or_rows):
         if "contents" in row and "text" not in row:
             yield from_contents(str(row["contents"]))
             continue
-        assert "text" in row, f"a corpus row needs 'text' (or 'contents'), got {sorted(row)}"
+        assert "text" in row, (
+            f"a corpus row needs a 'text' (or 'contents') field, got {sorted(row)}"
+        )
         yield {"title": str(row.get("title") or ""), "text": str(row["text"])}
 
 
