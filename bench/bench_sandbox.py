@@ -10,6 +10,10 @@ os.cpu_count() workers (--calls calls at once, as a GRPO step's 64 tool calls ar
 
     python bench/bench_sandbox.py
     python bench/bench_sandbox.py --calls 128 --repeats 5
+    python bench/bench_sandbox.py --trainer_mb 1500   # the caller as big as a trainer
+
+--trainer_mb fills that much of this process's memory first: a trainer calls the sandbox from a process of
+gigabytes, and a spawn that forks it copies its page tables (Popen forks when given user=, vfork otherwise).
 """
 
 import argparse
@@ -27,7 +31,9 @@ from nanoagent import sandbox  # noqa: E402
 parser = argparse.ArgumentParser(description="sandbox.run_python: per-call cost and calls/s of each layer")
 parser.add_argument("--calls", type=int, default=64, help="calls per measurement (a GRPO step makes 64+ at once)")
 parser.add_argument("--repeats", type=int, default=3, help="measurements per row; the table shows medians")
+parser.add_argument("--trainer_mb", type=int, default=0, help="resident memory to hold first, as a trainer's")
 args = parser.parse_args()
+ballast = [bytearray(b"\1" * 2**20) for _ in range(args.trainer_mb)]  # touched: resident, not just reserved
 
 
 def bare_interpreter(code):
@@ -58,7 +64,8 @@ if "unprivileged uid" in found:
 if "bubblewrap" in found:
     rows.append(("+ bubblewrap", found))
 workers = os.cpu_count()
-print(f"{args.calls} calls of print(1), medians of {args.repeats} runs; pool: {workers} threads; layers here: {found}")
+print(f"{args.calls} calls of print(1), medians of {args.repeats} runs; pool: {workers} threads; layers here: {found}; "
+      f"holding {args.trainer_mb} MB")
 print()
 print(f"| layers | sequential: ms a call | sequential: calls/s | pool of {workers}: calls/s | pool: ms a call |")
 print("|---|---:|---:|---:|---:|")
