@@ -179,9 +179,9 @@ def _command(limits: Limits, workdir: str, bwrap: bool, as_nobody: bool) -> list
             "--proc", "/proc", "--dev", "/dev", "--tmpfs", "/tmp",
             "--bind", workdir, "/sandbox", "--chdir", "/sandbox", "--", *argv
         ]
-    # bwrap, too, is nobody. setpriv drops root in the child, not Popen's user=: that
-    # makes Popen fork the whole trainer (its page tables, ~80 ms a call at 1.5 GB),
-    # where without it Python uses vfork (~1 ms at any size).
+    # bwrap, too, is nobody. setpriv drops root in the child, not Popen's user=, with
+    # which Python forks the whole trainer (its page tables) instead of vforking: a
+    # call's cost would grow with the trainer's memory (docs/performance.md).
     setpriv = ["setpriv", f"--reuid={NOBODY}", f"--regid={NOBODY}", "--clear-groups", "--"]
     return setpriv + argv if as_nobody else argv
 
