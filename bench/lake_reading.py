@@ -15,6 +15,9 @@ Run from the repository root; each line is one probe of the study:
     python bench/lake_reading.py --batch_size 64 --lr 2e-3 # four times the compute
     python bench/lake_reading.py --lr 3e-3
     python bench/lake_reading.py --model tiny-deep         # four layers
+    python bench/lake_reading.py --model DIR               # twice as wide: DIR from nanoagent.models.save_tiny_model(
+                                                           #   DIR, hidden_size=256, num_attention_heads=8,
+                                                           #   num_key_value_heads=4, intermediate_size=512)
     python bench/lake_reading.py --render both             # the grid, then a line with both coordinates
     python bench/lake_reading.py --render coordinates      # coordinates alone (player, goal, holes)
 
@@ -36,7 +39,7 @@ import sft  # noqa: E402
 from nanoagent.models import load_model  # noqa: E402
 
 parser = argparse.ArgumentParser(description="FrozenLake: a correct-only warm-up's success and first decisions")
-parser.add_argument("--model", default="tiny", help="tiny or tiny-deep")
+parser.add_argument("--model", default="tiny", help="tiny, tiny-deep or a checkpoint directory")
 parser.add_argument("--steps", type=int, default=950, help="SFT steps (the game's 800 + 150, all correct)")
 parser.add_argument("--levels", type=int, default=3000, help="distinct demonstrated levels (sft.warm_up's)")
 parser.add_argument("--batch_size", type=int, default=16)
@@ -78,12 +81,10 @@ for seed in envs.eval_seeds(args.decisions):
     lake = envs.ENVS[env_name]()
     messages, _ = lake.reset(seed)
     distance = len(lake.shortest_path(lake.start))
-    optimal = set()
-    for action in actions:
-        cell = lake.clamp(envs.shifted(lake.start, action))
-        path_on = None if cell in lake.holes else lake.shortest_path(cell)
-        if path_on is not None and len(path_on) == distance - 1:
-            optimal.add(action)
+    optimal = {  # the moves that start a shortest path
+        action for action, cell in lake.successors(lake.start)
+        if (rest := lake.shortest_path(cell)) is not None and len(rest) == distance - 1
+    }
     ids = rollout.encode_chat(tokenizer, messages, add_generation_prompt=True)
     ids += rollout.encode(tokenizer, "<answer>")
     with torch.no_grad():
