@@ -4,6 +4,7 @@ Memory planner: per-GPU memory of a train.py run, by part, before renting the GP
     python bench/memory_plan.py --model Qwen/Qwen2.5-3B-Instruct --algo ppo --gpus 8 --gpu_memory_gb 80 \
         --vllm_memory 0.3
     python bench/memory_plan.py --model runs/default/step_000100 --algo grpo --gpus 1 --activation_checkpointing
+    python bench/memory_plan.py --model Qwen/Qwen2.5-7B-Instruct --gpus 1 --sampler torch --lora_rank 16
     python bench/memory_plan.py --table --activation_checkpointing --vllm_sleep   # docs/gpu.md's tables:
         Qwen2.5 0.5B..7B x GRPO/PPO x 1/8 GPUs, under the flags given (checkpointing, vLLM's share, sleep, --kl)
     python bench/memory_plan.py --measure tiny   # planned against measured tensor sizes on this CPU
@@ -22,6 +23,10 @@ with FSDP2 over N GPUs (nanoagent/parallel.py), P parameters:
   vLLM         --vllm_memory of the card, when the sampler is a colocated vLLM engine; with --vllm_sleep it holds
                nothing during the update, but its share again during the rollout, when the update's gradients,
                activations and logits are gone: the part counts what that adds to the step's peak
+  sampler      --sampler torch instead: the TorchSampler's bf16 copy of the policy (a sharded policy cannot
+               sample unequal lengths), 2P bytes on every GPU; its KV cache lives during the rollout only
+With --lora_rank R the base weights keep their fp32 masters (4P/N) but gradients and AdamW's moments are the
+adapters' alone: R x (inputs + outputs) for each of a layer's 7 linear maps.
 The shared-prompt pass (a group's prompt run once, without --activation_checkpointing) is not credited: a
 ~200-token prompt is ~5% of a 4096-token trajectory's activations.
 """
@@ -67,6 +72,14 @@ def parameter_counts(shape):
     return body + (0 if tied else vocab * hidden), body + hidden + 1, layer
 
 
+def lora_parameters(shape, rank):
+    """Parameters of rank-`rank` adapters on every linear map of the decoder (q, k, v, o, gate, up, down)."""
+    hidden, layers, heads, kv_heads, intermediate, _, _ = shape
+    kv = hidden // heads * kv_heads
+    per_layer = 2 * (2 * hidden) + 2 * (hidden + kv) + 3 * (hidden + intermediate)
+    return layers * rank * per_layer
+
+
 def activation_bytes_per_token(shape, compute_bytes, checkpointing):
     """Bytes autograd keeps per token for the backward pass, summed over layers.
 
@@ -85,17 +98,18 @@ def activation_bytes_per_token(shape, compute_bytes, checkpointing):
 
 
 def plan(shape, algo, gpus, tokens_per_gpu, kept_tokens_per_gpu, kl=False, checkpointing=False, compute_bytes=2,
-         gpu_memory_gb=80.0, vllm_memory=0.0, vllm_sleep=False, sharded=True):
+         gpu_memory_gb=80.0, vllm_memory=0.0, vllm_sleep=False, sharded=True, torch_sampler=False, lora_rank=0):
     """Per-GPU bytes by part (a dict), for one minibatch of tokens_per_gpu tokens on each GPU. sharded=False:
     a plain single CPU process (no FSDP group gathered beside the parameters)."""
     policy, critic, layer = parameter_counts(shape)
+    trained = lora_parameters(shape, lora_rank) if lora_rank else policy
     vocab, hidden = shape[5], shape[0]
     # The largest FSDP group, gathered whole for its forward: a layer, or the root.
     largest_group = max(layer, vocab * hidden * (1 if shape[6] else 2) + hidden) if sharded else 0
     parts = {
-        "parameters": 4 * policy / gpus + compute_bytes * largest_group,
-        "gradients": 4 * policy / gpus,
-        "optimizer": 8 * policy / gpus,
+        "parameters": 4 * (policy + (trained if lora_rank else 0)) / gpus + compute_bytes * largest_group,
+        "gradients": 4 * trained / gpus,
+        "optimizer": 8 * trained / gpus,
         "reference": compute_bytes * policy / gpus if kl else 0,
         "critic": (16 * critic / gpus + compute_bytes * largest_group) if algo == "ppo" else 0,
         "activations": tokens_per_gpu * activation_bytes_per_token(shape, compute_bytes, checkpointing),
@@ -105,6 +119,7 @@ def plan(shape, algo, gpus, tokens_per_gpu, kept_tokens_per_gpu, kl=False, check
     vllm = vllm_memory * gpu_memory_gb * GiB
     # Asleep: the peak is the update without vLLM, or the rollout (vLLM awake, no gradients, activations, logits).
     parts["vLLM"] = max(0, vllm - parts["gradients"] - parts["activations"] - parts["logits"]) if vllm_sleep else vllm
+    parts["sampler"] = compute_bytes * policy if torch_sampler else 0
     return parts
 
 
@@ -117,7 +132,8 @@ def advice(parts, gpu_memory_gb):
              "optimizer": "more GPUs (FSDP shards parameters, gradients and optimizer states)",
              "critic": "--algo grpo (no critic), or more GPUs", "logits": "a smaller --minibatch_size",
              "vLLM": "--vllm_sleep, or a lower --vllm_memory (gpu_memory_utilization)", "reference": "--kl none",
-             "parameters": "more GPUs", "gradients": "more GPUs"}
+             "parameters": "more GPUs", "gradients": "more GPUs",
+             "sampler": "--sampler vllm (the TorchSampler keeps a whole bf16 copy on every GPU)"}
     biggest = sorted(parts, key=parts.get, reverse=True)[:2]
     return (f"does NOT fit: {total / GiB:.1f} GiB > {gpu_memory_gb:.0f} GiB. Largest parts: "
             + "; ".join(f"{part} {parts[part] / GiB:.1f} GiB -> {hints[part]}" for part in biggest))
@@ -177,6 +193,9 @@ def main():
     parser.add_argument("--kl", action="store_true", help="a reference model (--kl loss / in_reward)")
     parser.add_argument("--vllm_sleep", action="store_true", help="vLLM asleep during the update (GPUs)")
     parser.add_argument("--activation_checkpointing", action="store_true")
+    parser.add_argument("--sampler", default="vllm", choices=["vllm", "torch"],
+                        help="torch: the TorchSampler's bf16 copy instead of vLLM's share")
+    parser.add_argument("--lora_rank", type=int, default=0, help="train rank-R adapters (0: full fine-tuning)")
     parser.add_argument("--table", action="store_true", help="print the README table")
     parser.add_argument("--measure", default=None, choices=["tiny", "mid"], help="plan against measured sizes on CPU")
     args = parser.parse_args()
@@ -219,7 +238,8 @@ def main():
     rows_per_gpu = math.ceil(trajectories / args.gpus)
     parts = plan(model_shape(args.model), args.algo, args.gpus, rows_per_gpu * args.max_total_tokens,
                  rows_per_gpu * args.agent_tokens, kl=args.kl, checkpointing=args.activation_checkpointing,
-                 gpu_memory_gb=args.gpu_memory_gb, vllm_memory=args.vllm_memory, vllm_sleep=args.vllm_sleep)
+                 gpu_memory_gb=args.gpu_memory_gb, vllm_sleep=args.vllm_sleep, lora_rank=args.lora_rank,
+                 vllm_memory=args.vllm_memory if args.sampler == "vllm" else 0, torch_sampler=args.sampler == "torch")
     print(f"{args.model}, {args.algo}, {args.gpus} GPU(s), "
           f"{rows_per_gpu} trajectories x {args.max_total_tokens} tokens per GPU")
     for part, value in parts.items():

@@ -46,3 +46,24 @@ def test_vllm_asleep_frees_its_share_during_the_update_but_not_during_the_rollou
                              vllm_sleep=True)
     assert 0 < small["vLLM"] < share
     assert sum(small.values()) == pytest.approx(small["parameters"] + small["optimizer"] + share)
+
+
+def test_lora_and_the_torch_sampler_are_counted():
+    # The adapters' count against peft's own, on a model whose maps all differ in size (kv heads < heads).
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    from nanoagent.lora import add_lora
+    shape = (64, 2, 4, 2, 96, 1024, True)
+    hidden, layers, heads, kv_heads, intermediate, vocab, tied = shape
+    model = Qwen2ForCausalLM(Qwen2Config(
+        hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv_heads,
+        intermediate_size=intermediate, vocab_size=vocab, tie_word_embeddings=tied))
+    add_lora(model, 4)
+    trained = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    assert memory_plan.lora_parameters(shape, 4) == trained
+    policy = memory_plan.parameter_counts(shape)[0]
+    full = memory_plan.plan(shape, "grpo", 1, 512, 128)
+    lora = memory_plan.plan(shape, "grpo", 1, 512, 128, lora_rank=4, torch_sampler=True)
+    assert lora["gradients"] == 4 * trained and lora["optimizer"] == 8 * trained
+    assert lora["parameters"] == full["parameters"] + 4 * trained  # the frozen base keeps its fp32 masters
+    assert lora["sampler"] == 2 * policy and full["sampler"] == 0
