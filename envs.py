@@ -990,9 +990,10 @@ class FrozenLakeEnv(GameEnv):
 class SokobanEnv(GameEnv):
     """Push the box onto the target in a walled size x size room with `interior_walls`
     more walls; levels are random per seed, redrawn until a breadth-first search over
-    (player, box) states solves them. Rewards (gym-sokoban's, as in RAGEN): `step_reward`
-    -0.1 a move (into a wall too), `box_on_target_reward` +1 and `solved_reward` +10 when
-    the box reaches the target, which ends the game (no -1 for pushing it off)."""
+    (player, box) states solves them. Rewards: `box_on_target_reward` +1 and
+    `solved_reward` +10 when the box reaches the target, which ends the game (no -1 for
+    pushing it off); `step_reward` 0 a move, where gym-sokoban charges -0.1: with wins
+    rare, that teaches moving less (docs/results.md)."""
     rules = (
         "Sokoban: you are P; push the box X onto the target O. # is a wall, _ is floor. "
         "You can push the box but not pull it. * is the box on the target, + is you on the "
@@ -1001,11 +1002,12 @@ class SokobanEnv(GameEnv):
     actions = ["Up", "Down", "Left", "Right"]
     # Five turns of three moves reach 97% of the levels; their grids take 640 tokens.
     train_defaults = {
-        "max_turns": 5, "max_total_tokens": 640, "warmup_mistake_rate": 0.2, "lr": 5e-4
+        "max_turns": 5, "max_total_tokens": 640, "warmup_mistake_rate": 0.2, "lr": 5e-4,
+        "group_size": 16,
     }
 
     def __init__(
-        self, size=6, interior_walls=2, step_reward=-0.1, box_on_target_reward=1.0,
+        self, size=6, interior_walls=2, step_reward=0.0, box_on_target_reward=1.0,
         solved_reward=10.0, max_turns=10, **options,
     ):
         self.size, self.interior_walls = size, interior_walls

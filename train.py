@@ -75,6 +75,7 @@ STARPO_S = {"algo": "ppo", "filter_ratio": 0.25, "clip_low": 0.2, "clip_high": 0
 # Defaults of the flags that StarPO-S or an env's `train_defaults` may change.
 DEFAULTS = {"algo": "grpo", "filter_ratio": 1.0, "clip_low": 0.2, "clip_high": 0.2, "kl": "none",
             "model": "tiny", "max_new_tokens": 32, "max_turns": 4, "max_total_tokens": 512,
+            "group_size": 8,
             "lr": 1e-3, "warmup_mistake_rate": 0.6, "truncated_reward": "keep"}
 # --env's rollout flags: an --agent program plays its own episodes.
 ROLLOUT_ONLY_FLAGS = ("max_turns", "truncated_reward")
@@ -114,7 +115,8 @@ def get_args(argv=None):
         help="--agent: seconds a step's programs may run, then killed")
     # Rollout
     add("--prompts_per_step", type=int, default=8, help="env seeds per step, over all ranks")
-    add("--group_size", type=int, default=8, help="samples per seed (a GRPO group)")
+    add("--group_size", type=int,
+        help="samples per seed (a GRPO group; default: 8, or the env's)")
     add("--max_new_tokens", type=int, help="per assistant turn (default: 32, or the env's)")
     add("--max_total_tokens", type=int, help="per episode (default: 512, or the env's)")
     add("--temperature", type=float, default=1.0)

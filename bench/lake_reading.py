@@ -18,6 +18,7 @@ Run from the repository root; each line is one probe of the study:
     python bench/lake_reading.py --model DIR               # twice as wide: DIR from nanoagent.models.save_tiny_model(
                                                            #   DIR, hidden_size=256, num_attention_heads=8,
                                                            #   num_key_value_heads=4, intermediate_size=512)
+    python bench/lake_reading.py --model DIR --lr 5e-4     # twice as wide, at half the learning rate
     python bench/lake_reading.py --render both             # the grid, then a line with both coordinates
     python bench/lake_reading.py --render coordinates      # coordinates alone (player, goal, holes)
 
