@@ -57,18 +57,15 @@ def build(name, tokenizer_dir, path, device, toy):
 
 
 def run(command, log, limit):
-    """Run a command with its output teed to `log`; its exit status (124: cut at `limit` seconds)."""
+    """Run a command, its output kept in `log` and shown after; its exit status (124: cut at `limit` s)."""
     print("$ " + " ".join(command), flush=True)
     with open(log, "w") as out:
-        process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-        start = time.time()
-        for line in process.stdout:
-            print(line, end="", flush=True)
-            out.write(line)
-            if time.time() - start > limit:
-                process.kill()
-                return 124
-        return process.wait()
+        try:
+            status = subprocess.run(command, stdout=out, stderr=subprocess.STDOUT, timeout=limit).returncode
+        except subprocess.TimeoutExpired:
+            status = 124
+    print(Path(log).read_text(), flush=True)
+    return status
 
 
 def resume(command, out_dir, log, limit):
@@ -122,7 +119,7 @@ def main():
     parser.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
     parser.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
     parser.add_argument("--toy", action="store_true", help="1 layer, width 64: try the script on a CPU")
-    parser.add_argument("--models", default=None, help="where the built models go (default: --work)")
+    parser.add_argument("--models", default=None, help="where the built models go (default: in --work)")
     parser.add_argument("--logs", default=None, help="where each run's log is kept (default: --work)")
     parser.add_argument("--limit", type=float, default=600,
                         help="seconds each shape's runs may take (on an H200 the checkpoints take most)")

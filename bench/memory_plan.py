@@ -102,12 +102,13 @@ def plan(shape, algo, gpus, tokens_per_gpu, kept_tokens_per_gpu, kl=False, check
     """Per-GPU bytes by part (a dict), for one minibatch of tokens_per_gpu tokens on each GPU. sharded=False:
     a plain single CPU process (no FSDP group gathered beside the parameters)."""
     policy, critic, layer = parameter_counts(shape)
-    trained = lora_parameters(shape, lora_rank) if lora_rank else policy
+    adapters = lora_parameters(shape, lora_rank)  # 0 without LoRA: the whole policy is trained
+    trained = adapters or policy
     vocab, hidden = shape[5], shape[0]
     # The largest FSDP group, gathered whole for its forward: a layer, or the root.
     largest_group = max(layer, vocab * hidden * (1 if shape[6] else 2) + hidden) if sharded else 0
     parts = {
-        "parameters": 4 * (policy + (trained if lora_rank else 0)) / gpus + compute_bytes * largest_group,
+        "parameters": 4 * (policy + adapters) / gpus + compute_bytes * largest_group,
         "gradients": 4 * trained / gpus,
         "optimizer": 8 * trained / gpus,
         "reference": compute_bytes * policy / gpus if kl else 0,

@@ -52,9 +52,8 @@ def test_tiny_models_by_name_and_the_envs_defaults(tmp_path, monkeypatch):
     assert [getattr(default, name) for name in fields] == ["tiny", 32, 1e-3, 1e-3, 0.4]
     assert train.get_args(["--env", "bandit"]).warmup_mistake_rate == 0.6  # an env without one: train.py's
     assert train.get_args(["--env", "compute", "--model", "tiny", "--lr", "1e-3"]).model == "tiny"  # flags win
-    sokoban = train.get_args(["--env", "sokoban"])
-    assert (sokoban.group_size, default.group_size, train.get_args(["--env", "sokoban", "--group_size", "4"])
-            .group_size) == (16, 8, 4)
+    sokoban, smaller = (train.get_args(["--env", "sokoban", *flags]) for flags in ([], ["--group_size", "4"]))
+    assert (sokoban.group_size, default.group_size, smaller.group_size) == (16, 8, 4)
 
 
 def test_tiny_tokens_and_generation_stop():
