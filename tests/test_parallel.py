@@ -236,6 +236,7 @@ loaded = {"policy": dict(full_weights(policy)), "critic": dict(full_weights(crit
           "tied": policy.lm_head.weight is policy.model.embed_tokens.weight}
 if dist.get_rank() == 1:  # the rank that read nothing
     torch.save(loaded, sys.argv[2])
+dist.barrier()  # rank 0 left first while rank 1 saved: gloo aborted it at exit about once in six runs
 dist.destroy_process_group()
 """
 
