@@ -100,6 +100,7 @@ def get_args(argv=None):
     add("--warmup_mistake_rate", type=float,
         help="chance each flawed-demonstration decision is wrong (default: 0.6, or the env's)")
     add("--warmup_lr", type=float, default=1e-3, help="the warm-up's learning rate")
+    add("--warmup_batch_size", type=int, default=16, help="demonstrations a warm-up step")
     # Environment
     add("--env", default="synthetic_qa", choices=sorted(envs.ENVS))
     add("--env_options", default="{}", help='JSON constructor options, e.g. \'{"hops": 3}\'')
@@ -462,8 +463,8 @@ def warm_up(args, device="cpu"):
     """sft.warm_up with this run's flags: the warmed-up checkpoint (cached)."""
     return sft.warm_up(
         args.model, args.env, args.env_options, clean_steps=args.warmup_clean_steps,
-        steps=args.warmup_steps, lr=args.warmup_lr, mistake_rate=args.warmup_mistake_rate,
-        seed=args.seed, device=device,
+        steps=args.warmup_steps, batch_size=args.warmup_batch_size, lr=args.warmup_lr,
+        mistake_rate=args.warmup_mistake_rate, seed=args.seed, device=device,
     )
 
 

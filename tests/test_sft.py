@@ -1,4 +1,4 @@
-"""sft.py: the warm-up's loss against a plain loop, and the assistant-token mask by hand."""
+"""sft.py: the warm-up's loss against a plain loop, the assistant-token mask by hand, train.py's warm-up flags."""
 
 import random
 
@@ -7,6 +7,7 @@ import torch
 import envs
 import rollout
 import sft
+import train
 from nanoagent.models import load_model
 
 
@@ -60,3 +61,17 @@ def test_assistant_token_mask_by_hand():
     mask = sft.assistant_token_mask(tokenizer, ids)
     marked = tokenizer.decode([token for token, keep in zip(ids, mask) if keep])
     assert marked == "Yes<|im_end|>No<|im_end|>"
+
+
+def test_train_py_warm_up_flags_set_its_batch_and_its_cache_key(tmp_path, monkeypatch):
+    monkeypatch.setenv("NANOAGENT_CACHE", str(tmp_path))
+    sizes, loss = [], sft.demonstration_loss
+
+    def counted_loss(model, batch, *rest):
+        sizes.append(len(batch))
+        return loss(model, batch, *rest)
+
+    monkeypatch.setattr(sft, "demonstration_loss", counted_loss)
+    flags = ["--env", "bandit", "--warmup_clean_steps", "2", "--warmup_steps", "1"]
+    paths = [train.warm_up(train.get_args(flags + extra)) for extra in ([], ["--warmup_batch_size", "3"])]
+    assert sizes == [16] * 3 + [3] * 3 and paths[0] != paths[1]  # every step, both phases; cached apart
