@@ -157,7 +157,7 @@ def warm_up(
             tokenizer, env_class, kwargs, num_episodes, phase_mistake_rate, rng,
             first_seed=phase * num_episodes,
         )
-        kind = "correct" if phase == 0 else "flawed"
+        kind = "flawed" if phase_mistake_rate else "correct"
         progress = tqdm(range(phase_steps), desc=f"warm-up (SFT), {kind} demos")
         for _ in progress:
             indices = torch.randint(len(examples), (batch_size,), generator=generator)
