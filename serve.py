@@ -229,8 +229,8 @@ class Server:
 
     def sample_batches(self):
         """The sampler thread (the module docstring's Batching)."""
-        while True:
-            batch, deadline = [self.turns.get()], time.monotonic() + self.window_s
+        for turn in iter(self.turns.get, None):  # None: close
+            batch, deadline = [turn], time.monotonic() + self.window_s
             while (left := deadline - time.monotonic()) > 0:
                 try:
                     batch.append(self.turns.get(timeout=left))
@@ -492,6 +492,7 @@ class Server:
     def close(self):
         self.http.shutdown()
         self.http.server_close()
+        self.turns.put(None)
 
 
 def run_program(command, environment, timeout_s):

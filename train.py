@@ -992,6 +992,8 @@ def stabilize_on_echo_trap(control, step, warnings):
 def finish_run(run, args):
     """Wait for the last checkpoint, then shut the sampler and process down."""
     finish_checkpoint(run.saving)
+    if run.server:
+        run.server.close()
     print0(
         f"done: {args.steps} steps in {time.time() - run.run_start:.0f}s; "
         f"checkpoints in {run.out_dir}"

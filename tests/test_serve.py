@@ -9,6 +9,7 @@ import resource
 import shutil
 import socket
 import sys
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -56,6 +57,20 @@ def serving(sampler, tokenizer, **options):
     server = Server(sampler, tokenizer, max_new_tokens=options.pop("max_new_tokens", 100),
                     max_total_tokens=options.pop("max_total_tokens", 1000), **options)
     return server, openai.OpenAI(base_url=f"{server.url}/v1", api_key="none", max_retries=0)
+
+
+def sampler_threads():
+    return [thread for thread in threading.enumerate() if thread.name.endswith("(sample_batches)")]
+
+
+def sampler_threads_left(before):
+    """The endpoints' sampler threads started since `before` (a list of them) that are still alive, given 10 s to
+    end. A thread left alive after it ran torch keeps its OpenMP team: on 2 cores every later torch op in the
+    process then runs about 1.5x slower (the team's worker sleeps between ops instead of spinning)."""
+    started = [thread for thread in sampler_threads() if thread not in before]
+    for thread in started:
+        thread.join(timeout=10)
+    return [thread for thread in started if thread.is_alive()]
 
 
 def conversations_of(server, episode):
@@ -157,7 +172,9 @@ def bad_request(client, code=None, **request):
 
 def test_bad_requests_get_openai_errors_and_the_server_goes_on():
     tokenizer = tiny_tokenizer()
+    before = sampler_threads()
     server, client = serving(ScriptedSampler(tokenizer, scripted_replies(tokenizer)), tokenizer, max_total_tokens=400)
+    [sampling] = [thread for thread in sampler_threads() if thread not in before]
     assert "n=2" in bad_request(client, n=2)
     assert "unknown role" in bad_request(client, messages=[{"role": "wizard", "content": "hi"}])
     assert "answers no tool call" in bad_request(client, messages=[*OPENING, {"role": "tool", "tool_call_id": "x",
@@ -175,7 +192,9 @@ def test_bad_requests_get_openai_errors_and_the_server_goes_on():
             raw.sendall(payload)
     assert client.models.list().data[0].id == "nanoagent"
     assert client.chat.completions.create(model="m", messages=OPENING, tools=CALCULATOR).choices[0].message.tool_calls
+    assert sampling.is_alive()
     server.close()
+    assert sampler_threads_left(before) == []  # close ends the sampler thread
 
 
 def post_raw(server, body, path="/v1/chat/completions"):
@@ -626,7 +645,9 @@ def test_train_takes_its_episodes_from_the_agent_program_and_resumes_as_an_unbro
     # The main job's warm-up (cached): groups whose rewards differ, so the weights move at each step.
     flags = ["--agent", f"{sys.executable} {EXAMPLE_AGENT}", "--prompts_per_step", "4", "--group_size", "4",
              "--eval_every", "2", "--eval_episodes", "2", "--save_every", "1"]
+    before = sampler_threads()
     straight, history = train.main(flags + ["--steps", "2", "--out_dir", str(tmp_path / "straight")])
+    assert sampler_threads_left(before) == []  # the run closed its endpoint
     assert [h["step"] for h in history] == [0, 1, 2] and history[1]["kept_trajectories"] == 16
     assert history[2]["group_reward_std"] > 0  # the resumed step moves the weights
     assert history[1]["logprob_mismatch"] < 1e-4  # the endpoint's log-probs are the policy's
