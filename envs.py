@@ -899,6 +899,11 @@ def shifted(cell, action):
     return cell[0] + MOVES[action][0], cell[1] + MOVES[action][1]
 
 
+def grid_text(size, symbol):
+    """A size x size grid, a row a line: symbol((row, column)) for each cell."""
+    return "\n".join("".join(symbol((r, c)) for c in range(size)) for r in range(size))
+
+
 class FrozenLakeEnv(GameEnv):
     """Walk from the start to the goal without falling into a hole. Maps are random per
     seed (each cell but start and goal a hole with `hole_probability`), redrawn until a
@@ -917,6 +922,7 @@ class FrozenLakeEnv(GameEnv):
         **options,
     ):
         self.size, self.hole_probability, self.slippery = size, hole_probability, slippery
+        self.cells = [(row, column) for row in range(size) for column in range(size)]
         super().__init__(max_turns=max_turns, max_actions_per_turn=max_actions_per_turn, **options)
 
     def successors(self, cell):
@@ -929,11 +935,10 @@ class FrozenLakeEnv(GameEnv):
         return min(max(cell[0], 0), self.size - 1), min(max(cell[1], 0), self.size - 1)
 
     def new_game(self, rng):
-        cells = [(row, column) for row in range(self.size) for column in range(self.size)]
         while True:
-            self.start, self.goal = rng.sample(cells, 2)
+            self.start, self.goal = rng.sample(self.cells, 2)
             self.holes = {
-                c for c in cells
+                c for c in self.cells
                 if c not in (self.start, self.goal) and rng.random() < self.hole_probability
             }
             if self.shortest_path(self.start) is not None:
@@ -946,20 +951,19 @@ class FrozenLakeEnv(GameEnv):
     def reach_probabilities(self, moves):
         """({cell: best chance to reach the goal in `moves` moves}, {cell: best action}),
         by value iteration."""
-        cells = [(row, column) for row in range(self.size) for column in range(self.size)]
-        chance, best = {cell: float(cell == self.goal) for cell in cells}, {}
+        chance, best = {cell: float(cell == self.goal) for cell in self.cells}, {}
         for _ in range(moves):
             def action_value(cell, action):
                 ways = (action, *PERPENDICULAR[action]) if self.slippery else (action,)
                 return sum(chance[self.clamp(shifted(cell, way))] for way in ways) / len(ways)
             best = {
                 cell: max(self.actions, key=lambda action: action_value(cell, action))
-                for cell in cells
+                for cell in self.cells
             }
             chance = {
                 cell: float(cell == self.goal) if cell == self.goal or cell in self.holes
                 else action_value(cell, best[cell])
-                for cell in cells
+                for cell in self.cells
             }
         return chance, best
 
@@ -981,10 +985,7 @@ class FrozenLakeEnv(GameEnv):
             if cell == self.player:
                 return "P"
             return "G" if cell == self.goal else "O" if cell in self.holes else "_"
-        return "\n".join(
-            "".join(symbol((row, column)) for column in range(self.size))
-            for row in range(self.size)
-        )
+        return grid_text(self.size, symbol)
 
 
 class SokobanEnv(GameEnv):
@@ -1026,11 +1027,8 @@ class SokobanEnv(GameEnv):
         return ahead, box
 
     def new_game(self, rng):
-        edges = (0, self.size - 1)
-        border = {
-            (r, c) for r in range(self.size) for c in range(self.size) if r in edges or c in edges
-        }
         interior = [(r, c) for r in range(1, self.size - 1) for c in range(1, self.size - 1)]
+        border = {(r, c) for r in range(self.size) for c in range(self.size)} - set(interior)
         while True:
             cells = rng.sample(interior, self.interior_walls + 3)
             self.walls = border | set(cells[3:])
@@ -1063,9 +1061,7 @@ class SokobanEnv(GameEnv):
             if cell == self.player:
                 return "+" if cell == self.target else "P"
             return "O" if cell == self.target else "_"
-        return "\n".join(
-            "".join(symbol((r, c)) for c in range(self.size)) for r in range(self.size)
-        )
+        return grid_text(self.size, symbol)
 
 
 ENVS = {
