@@ -915,7 +915,9 @@ class FrozenLakeEnv(GameEnv):
         "FrozenLake: you are P; walk to the goal G over the ice _ without stepping into a hole O."
     )
     actions = ["Left", "Down", "Right", "Up"]
-    train_defaults = {"max_turns": 8, "warmup_mistake_rate": 0.3, "lr": 5e-4}
+    train_defaults = {
+        "max_turns": 8, "warmup_mistake_rate": 0.3, "lr": 5e-4, "warmup_world_model": 1.0
+    }
 
     def __init__(
         self, size=4, hole_probability=0.2, slippery=False, max_turns=8, max_actions_per_turn=1,
@@ -1004,7 +1006,7 @@ class SokobanEnv(GameEnv):
     # Five turns of three moves reach 97% of the levels; their grids take 640 tokens.
     train_defaults = {
         "max_turns": 5, "max_total_tokens": 640, "warmup_mistake_rate": 0.2, "lr": 5e-4,
-        "group_size": 16,
+        "group_size": 16, "warmup_world_model": 1.0,
     }
 
     def __init__(

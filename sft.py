@@ -80,10 +80,13 @@ def demonstrations(tokenizer, env_class, env_kwargs, num_episodes, mistake_rate,
     return examples
 
 
-def demonstration_loss(model, batch, pad_token_id, device="cpu"):
-    """Next-token cross-entropy on the assistant's tokens of demonstrations [(ids, mask)].
-    They open with their env's system prompt and tool schemas (half their tokens): the
-    shared opening runs once (shared_prompt_hidden), the LM head only where the loss reads."""
+def demonstration_loss(model, batch, pad_token_id, device="cpu", world_model=0.0):
+    """Next-token cross-entropy on the assistant's tokens of demonstrations [(ids, mask)],
+    plus `world_model` times that on the env's tokens after the first reply: what each
+    action did (implicit world modelling, Early Experience, arXiv 2510.08558). A game's
+    next grid teaches where a move goes from its every cell. They open with their env's
+    system prompt and tool schemas (half their tokens): the shared opening runs once
+    (shared_prompt_hidden), the LM head only where the loss reads."""
     input_ids = masks.padded([ids for ids, _ in batch], fill=pad_token_id)  # (B, T), right padded
     attention_mask = masks.padded([[1] * len(ids) for ids, _ in batch])  # (B, T)
     loss_mask = masks.padded([mask for _, mask in batch])  # (B, T)
@@ -95,8 +98,14 @@ def demonstration_loss(model, batch, pad_token_id, device="cpu"):
     keep = loss_mask[:, 1:].bool().to(device)  # (B, T-1): position t predicts token t+1
     prompt_lengths = torch.full((len(batch),), shared, device=device)  # (B,)
     hidden = shared_prompt_hidden(model, input_ids, attention_mask, prompt_lengths)  # (B, T, D)
-    logits = model.get_output_embeddings()(hidden[:, :-1][keep])  # (K, V), K kept positions
-    return torch.nn.functional.cross_entropy(logits, input_ids[:, 1:][keep])
+    head, targets = model.get_output_embeddings(), input_ids[:, 1:]
+    logits = head(hidden[:, :-1][keep])  # (K, V), K kept positions
+    loss = torch.nn.functional.cross_entropy(logits, targets[keep])
+    if world_model:  # (B, T-1): after the first reply, what no reply wrote, but padding
+        env = (loss_mask.cumsum(1)[:, 1:] > 0).to(device) & ~keep & attention_mask[:, 1:].bool()
+        env_loss = torch.nn.functional.cross_entropy(head(hidden[:, :-1][env]), targets[env])
+        loss = loss + world_model * env_loss
+    return loss
 
 
 # The files whose edits change the warmed-up weights key the cache: no stale warm-up.
@@ -117,11 +126,12 @@ def warm_up_code_hash():
 
 def warm_up(
     model_name, env_name, env_kwargs, clean_steps=800, steps=150, batch_size=16, lr=1e-3,
-    mistake_rate=0.6, num_episodes=3000, seed=0, device="cpu",
+    mistake_rate=0.6, num_episodes=3000, seed=0, device="cpu", world_model=0.0,
 ):
     """Warms `model_name` up on `env_name`'s demonstrations: `clean_steps` on correct ones,
     then `steps` on flawed ones (each decision wrong with probability `mistake_rate`), on
-    training seeds only. The checkpoint's path, cached by every argument and the code."""
+    training seeds only; `world_model` weighs demonstration_loss's. The checkpoint's path,
+    cached by every argument and the code."""
     env_class = envs.ENVS[env_name]
     assert hasattr(env_class, "demonstration"), (
         f"--env {env_name} has no demonstrations: pass --warmup_steps 0"
@@ -133,7 +143,8 @@ def warm_up(
     settings = dict(
         model=model_key, env=env_name, env_kwargs=env_kwargs, clean_steps=clean_steps,
         steps=steps, batch_size=batch_size, lr=lr, mistake_rate=mistake_rate,
-        num_episodes=num_episodes, seed=seed, code=warm_up_code_hash(),
+        num_episodes=num_episodes, seed=seed, world_model=world_model,
+        code=warm_up_code_hash(),
     )
     key = hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()[:12]
     path = cache_dir() / "warmup" / f"{Path(model_key).name}-{env_name}-{key}"
@@ -162,7 +173,7 @@ def warm_up(
         for _ in progress:
             indices = torch.randint(len(examples), (batch_size,), generator=generator)
             batch = [examples[i] for i in indices]
-            loss = demonstration_loss(model, batch, tokenizer.pad_token_id, device)
+            loss = demonstration_loss(model, batch, tokenizer.pad_token_id, device, world_model)
             loss.backward()
             torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
             optimizer.step()

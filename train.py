@@ -76,7 +76,8 @@ STARPO_S = {"algo": "ppo", "filter_ratio": 0.25, "clip_low": 0.2, "clip_high": 0
 DEFAULTS = {"algo": "grpo", "filter_ratio": 1.0, "clip_low": 0.2, "clip_high": 0.2, "kl": "none",
             "model": "tiny", "max_new_tokens": 32, "max_turns": 4, "max_total_tokens": 512,
             "group_size": 8,
-            "lr": 1e-3, "warmup_mistake_rate": 0.6, "truncated_reward": "keep"}
+            "lr": 1e-3, "warmup_mistake_rate": 0.6, "warmup_world_model": 0.0,
+            "truncated_reward": "keep"}
 # --env's rollout flags: an --agent program plays its own episodes.
 ROLLOUT_ONLY_FLAGS = ("max_turns", "truncated_reward")
 
@@ -101,6 +102,8 @@ def get_args(argv=None):
         help="chance each flawed-demonstration decision is wrong (default: 0.6, or the env's)")
     add("--warmup_lr", type=float, default=1e-3, help="the warm-up's learning rate")
     add("--warmup_batch_size", type=int, default=16, help="demonstrations a warm-up step")
+    add("--warmup_world_model", type=float,
+        help="weight of the loss on the env's replies (a world model; default: 0, or the env's)")
     # Environment
     add("--env", default="synthetic_qa", choices=sorted(envs.ENVS))
     add("--env_options", default="{}", help='JSON constructor options, e.g. \'{"hops": 3}\'')
@@ -465,6 +468,7 @@ def warm_up(args, device="cpu"):
         args.model, args.env, args.env_options, clean_steps=args.warmup_clean_steps,
         steps=args.warmup_steps, batch_size=args.warmup_batch_size, lr=args.warmup_lr,
         mistake_rate=args.warmup_mistake_rate, seed=args.seed, device=device,
+        world_model=args.warmup_world_model,
     )
 
 

@@ -21,6 +21,7 @@ Run from the repository root; each line is one probe of the study:
     python bench/lake_reading.py --model DIR --lr 5e-4     # twice as wide, at half the learning rate
     python bench/lake_reading.py --render both             # the grid, then a line with both coordinates
     python bench/lake_reading.py --render coordinates      # coordinates alone (player, goal, holes)
+    python bench/lake_reading.py --world_model 1           # and predicting each next grid
 
 The other renders exist only here (registered as their own env, so the warm-up cache keeps them apart).
 """
@@ -47,6 +48,8 @@ parser.add_argument("--batch_size", type=int, default=16)
 parser.add_argument("--lr", type=float, default=1e-3)
 parser.add_argument("--seed", type=int, default=0)
 parser.add_argument("--render", choices=["grid", "both", "coordinates"], default="grid")
+parser.add_argument("--world_model", type=float, default=0.0,
+                    help="weight of the loss on the next grids (sft.demonstration_loss; the game's: 1)")
 parser.add_argument("--maps", type=int, default=256, help="held-out maps for success (eval.py --n)")
 parser.add_argument("--decisions", type=int, default=300, help="held-out maps whose first move is read")
 args = parser.parse_args()
@@ -69,7 +72,8 @@ if args.render != "grid":
     env_name = f"frozen_lake_{args.render}"
     envs.ENVS[env_name] = ReadLake
 path = sft.warm_up(args.model, env_name, {}, clean_steps=args.steps, steps=0, batch_size=args.batch_size,
-                   lr=args.lr, mistake_rate=0.0, num_episodes=args.levels, seed=args.seed)
+                   lr=args.lr, mistake_rate=0.0, num_episodes=args.levels, seed=args.seed,
+                   world_model=args.world_model)
 evaluation.main(["--model", str(path), "--env", env_name, "--n", str(args.maps), "--temperature", "1.0", "0"])
 
 # The first decision on each held-out map: the moves' first tokens (L, D, R, U) tell them apart.

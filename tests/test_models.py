@@ -54,6 +54,8 @@ def test_tiny_models_by_name_and_the_envs_defaults(tmp_path, monkeypatch):
     assert train.get_args(["--env", "compute", "--model", "tiny", "--lr", "1e-3"]).model == "tiny"  # flags win
     sokoban, smaller = (train.get_args(["--env", "sokoban", *flags]) for flags in ([], ["--group_size", "4"]))
     assert (sokoban.group_size, default.group_size, smaller.group_size) == (16, 8, 4)
+    lake = train.get_args(["--env", "frozen_lake"])  # the games predict their next grids while warming up
+    assert (sokoban.warmup_world_model, lake.warmup_world_model, default.warmup_world_model) == (1.0, 1.0, 0.0)
 
 
 def test_tiny_tokens_and_generation_stop():

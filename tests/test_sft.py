@@ -2,6 +2,7 @@
 
 import random
 
+import pytest
 import torch
 
 import envs
@@ -11,23 +12,29 @@ import train
 from nanoagent.models import load_model
 
 
-def test_demonstration_loss_matches_a_plain_loop_in_value_and_gradients():
+@pytest.mark.parametrize("env_class, world_model", [(envs.SyntheticQAEnv, 0.0), (envs.SokobanEnv, 0.7)])
+def test_demonstration_loss_matches_a_plain_loop_in_value_and_gradients(env_class, world_model):
     model, tokenizer = load_model("tiny")
-    batch = sft.demonstrations(tokenizer, envs.SyntheticQAEnv, {}, 5, 0.5, random.Random(0), first_seed=0)
+    batch = sft.demonstrations(tokenizer, env_class, {}, 5, 0.5, random.Random(0), first_seed=0)
     batch.append(batch[0])  # a repeated demonstration shares all of its prompt with the first
     assert len({len(ids) for ids, _ in batch}) > 1  # rows of different lengths: the padding is exercised
-    shared = sft.demonstration_loss(model, batch, tokenizer.pad_token_id)
+    shared = sft.demonstration_loss(model, batch, tokenizer.pad_token_id, world_model=world_model)
     shared.backward()
     shared_grads = [p.grad.clone() for p in model.parameters()]
     model.zero_grad(set_to_none=True)
-    # Reference: each row on its own, every position through the LM head, the losses averaged over all
-    # assistant tokens of the batch.
-    total, count = 0.0, 0
+    # Reference: each row on its own, every position through the LM head, token by token: the mean loss
+    # over all assistant tokens of the batch, plus world_model times the mean over the env's tokens (those
+    # after a row's first assistant token that are not assistant tokens).
+    totals, counts = [0.0, 0.0], [0, 0]
     for ids, mask in batch:
-        logits = model(torch.tensor([ids])).logits[0, :-1]  # (T-1, V)
-        losses = torch.nn.functional.cross_entropy(logits, torch.tensor(ids[1:]), reduction="none")
-        total, count = total + (losses * torch.tensor(mask[1:])).sum(), count + sum(mask[1:])
-    plain = total / count
+        logits = model(torch.tensor([ids])).logits[0]  # (T, V)
+        for t in range(1, len(ids)):
+            kind = 0 if mask[t] else 1 if t > mask.index(1) else None
+            if kind is not None:
+                loss = torch.nn.functional.cross_entropy(logits[t - 1], torch.tensor(ids[t]))
+                totals[kind], counts[kind] = totals[kind] + loss, counts[kind] + 1
+    assert counts[1] > counts[0]  # the env writes more tokens than the replies
+    plain = totals[0] / counts[0] + (world_model * totals[1] / counts[1] if world_model else 0.0)
     plain.backward()
     assert torch.allclose(shared, plain, atol=1e-5), (shared.item(), plain.item())
     for parameter, shared_grad in zip(model.parameters(), shared_grads):
@@ -73,5 +80,6 @@ def test_train_py_warm_up_flags_set_its_batch_and_its_cache_key(tmp_path, monkey
 
     monkeypatch.setattr(sft, "demonstration_loss", counted_loss)
     flags = ["--env", "bandit", "--warmup_clean_steps", "2", "--warmup_steps", "1"]
-    paths = [train.warm_up(train.get_args(flags + extra)) for extra in ([], ["--warmup_batch_size", "3"])]
-    assert sizes == [16] * 3 + [3] * 3 and paths[0] != paths[1]  # every step, both phases; cached apart
+    paths = [train.warm_up(train.get_args(flags + extra))
+             for extra in ([], ["--warmup_batch_size", "3"], ["--warmup_world_model", "0.5"])]
+    assert sizes == [16] * 3 + [3] * 3 + [16] * 3 and len(set(paths)) == 3  # every step, both phases; cached apart
