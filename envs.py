@@ -45,6 +45,7 @@ from pathlib import Path
 import tools
 from nanoagent import retrieval
 from nanoagent.common import UserError
+from nanoagent.models import TINY_NAMES
 
 EVAL_SEED_START = 10_000_000
 
@@ -408,17 +409,9 @@ class SearchQAEnv(ToolEnv):
 # -----------------------------------------------------------------------------
 # Synthetic multi-hop QA: the offline task a tiny model learns on a CPU
 
-# Entity names: each one token of the tiny model's tokenizer (nanoagent/models.py,
-# TINY_NAMES), so copying a name is one step.
-NAMES = (
-    "Amber Aspen Birch Cedar Coral Daisy Delta Ember Fable Fern Flint Frost Gale Grove "
-    "Hazel Heron Iris Ivory Jade Juniper Kestrel Lark Laurel Lotus Maple Marsh Meadow Mint "
-    "Moss Nova Oak Olive Onyx Opal Orchid Pearl Pebble Pine Plum Quartz Raven Reed Ridge "
-    "Robin Rose Ruby Rust Sage Slate Sparrow Spruce Thorn Tide Topaz Vale Willow Wren "
-    "Zephyr Aurora Basil Clover Dune Echo Finch Garnet Harbor Indigo Jasper Lilac Linden "
-    "Lumen Misty Nectar Orion Poppy Quill Rowan Saffron Sierra Tansy Umber Velvet Wisp "
-    "Yarrow Zinnia Acorn Bramble Cinder Dawn Comet Fjord Glade Moor Tundra"
-).split()
+# Entity names: each one token of the tiny model's tokenizer, so copying a name is one
+# step (its last six are the bandit's arms).
+NAMES = TINY_NAMES[:-6]
 # Each type points to the next by one relation: film -> person -> city -> country.
 ENTITY_TYPES = ["film", "person", "city", "country"]
 RELATIONS = ["directed by", "born in", "located in"]
@@ -756,8 +749,7 @@ class GameEnv:
 
     def reset(self, seed: int, episode: int = 0) -> tuple[list[dict], list[dict]]:
         """(opening messages, no tools) for `seed`. The luck (slips, payouts) comes from
-        (seed, episode): a GRPO group plays one game with independent luck, as in RAGEN
-        (with one coin, std-normalised GRPO sees the risky arm lose in 3 groups of 4)."""
+        (seed, episode): a GRPO group plays one game with independent luck, as in RAGEN."""
         self.turn, self.done, self.success = 0, False, False
         self.new_game(random.Random(seed))
         self.rng = random.Random(f"{seed}/{episode}")  # the transitions' own random stream
@@ -909,8 +901,8 @@ class FrozenLakeEnv(GameEnv):
     seed (each cell but start and goal a hole with `hole_probability`), redrawn until a
     path exists; the edge stops you. With `slippery=True` the intended move happens with
     p = 1/3, else a perpendicular one (1/3 each), as in Gym's FrozenLake. Reward 1 at the
-    goal, 0 in a hole (the end). One move a turn by default: the tiny model learns a
-    path's next step, and sees a slip before moving on."""
+    goal, 0 in a hole (the end). One move a turn: a path's next step is what the tiny
+    model learns, and it sees a slip before moving on."""
     rules = (
         "FrozenLake: you are P; walk to the goal G over the ice _ without stepping into a hole O."
     )
@@ -995,8 +987,7 @@ class SokobanEnv(GameEnv):
     more walls; levels are random per seed, redrawn until a breadth-first search over
     (player, box) states solves them. Rewards: `box_on_target_reward` +1 and
     `solved_reward` +10 when the box reaches the target, which ends the game (no -1 for
-    pushing it off); `step_reward` 0 a move, where gym-sokoban charges -0.1: with wins
-    rare, that teaches moving less (docs/results.md)."""
+    pushing it off); `step_reward` 0 a move (gym-sokoban's -0.1: docs/results.md)."""
     rules = (
         "Sokoban: you are P; push the box X onto the target O. # is a wall, _ is floor. "
         "You can push the box but not pull it. * is the box on the target, + is you on the "

@@ -16,9 +16,10 @@ The warm-up must leave a *weak* agent, or RL has nothing left to do. Two phases:
      low. Uniform noise would not do: the right entity would stay the likeliest token,
      and greedy decoding near perfect.
 
-The loss is next-token cross-entropy on the assistant's tokens only, RL's action mask:
-the model learns to act, not to predict tool output. The HF checkpoint it makes is
-cached: train.py pays once.
+The loss is next-token cross-entropy on the assistant's tokens, RL's action mask: the
+model learns to act. A game adds the env's replies (`world_model`: implicit world
+modelling, Early Experience, arXiv 2510.08558): each next grid shows where a move went.
+The HF checkpoint it makes is cached: train.py pays once.
 """
 
 import hashlib
@@ -82,11 +83,9 @@ def demonstrations(tokenizer, env_class, env_kwargs, num_episodes, mistake_rate,
 
 def demonstration_loss(model, batch, pad_token_id, device="cpu", world_model=0.0):
     """Next-token cross-entropy on the assistant's tokens of demonstrations [(ids, mask)],
-    plus `world_model` times that on the env's tokens after the first reply: what each
-    action did (implicit world modelling, Early Experience, arXiv 2510.08558). A game's
-    next grid teaches where a move goes from its every cell. They open with their env's
-    system prompt and tool schemas (half their tokens): the shared opening runs once
-    (shared_prompt_hidden), the LM head only where the loss reads."""
+    plus `world_model` times that on the env's tokens after the first reply. They open
+    with their env's system prompt and tool schemas (half their tokens): the shared
+    opening runs once (shared_prompt_hidden), the LM head only where the loss reads."""
     input_ids = masks.padded([ids for ids, _ in batch], fill=pad_token_id)  # (B, T), right padded
     attention_mask = masks.padded([[1] * len(ids) for ids, _ in batch])  # (B, T)
     loss_mask = masks.padded([mask for _, mask in batch])  # (B, T)
@@ -101,7 +100,7 @@ def demonstration_loss(model, batch, pad_token_id, device="cpu", world_model=0.0
     head, targets = model.get_output_embeddings(), input_ids[:, 1:]
     logits = head(hidden[:, :-1][keep])  # (K, V), K kept positions
     loss = torch.nn.functional.cross_entropy(logits, targets[keep])
-    if world_model:  # (B, T-1): after the first reply, what no reply wrote, but padding
+    if world_model:  # (B, T-1): what the env wrote after the first reply
         env = (loss_mask.cumsum(1)[:, 1:] > 0).to(device) & ~keep & attention_mask[:, 1:].bool()
         env_loss = torch.nn.functional.cross_entropy(head(hidden[:, :-1][env]), targets[env])
         loss = loss + world_model * env_loss
@@ -130,12 +129,8 @@ def warm_up(
 ):
     """Warms `model_name` up on `env_name`'s demonstrations: `clean_steps` on correct ones,
     then `steps` on flawed ones (each decision wrong with probability `mistake_rate`), on
-    training seeds only; `world_model` weighs demonstration_loss's. The checkpoint's path,
-    cached by every argument and the code."""
+    training seeds only. The checkpoint's path, cached by every argument and the code."""
     env_class = envs.ENVS[env_name]
-    assert hasattr(env_class, "demonstration"), (
-        f"--env {env_name} has no demonstrations: pass --warmup_steps 0"
-    )
     # The key names the model (a tiny one by its recipe), not its path: moving the cache
     # must not retrain.
     resolved = resolve_model_path(model_name)
@@ -143,8 +138,7 @@ def warm_up(
     settings = dict(
         model=model_key, env=env_name, env_kwargs=env_kwargs, clean_steps=clean_steps,
         steps=steps, batch_size=batch_size, lr=lr, mistake_rate=mistake_rate,
-        num_episodes=num_episodes, seed=seed, world_model=world_model,
-        code=warm_up_code_hash(),
+        num_episodes=num_episodes, seed=seed, world_model=world_model, code=warm_up_code_hash(),
     )
     key = hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()[:12]
     path = cache_dir() / "warmup" / f"{Path(model_key).name}-{env_name}-{key}"

@@ -103,7 +103,7 @@ def get_args(argv=None):
     add("--warmup_lr", type=float, default=1e-3, help="the warm-up's learning rate")
     add("--warmup_batch_size", type=int, default=16, help="demonstrations a warm-up step")
     add("--warmup_world_model", type=float,
-        help="weight of the loss on the env's replies (a world model; default: 0, or the env's)")
+        help="weight of a loss on the env's replies (default: 0, or the env's)")
     # Environment
     add("--env", default="synthetic_qa", choices=sorted(envs.ENVS))
     add("--env_options", default="{}", help='JSON constructor options, e.g. \'{"hops": 3}\'')
