@@ -409,8 +409,8 @@ class SearchQAEnv(ToolEnv):
 # -----------------------------------------------------------------------------
 # Synthetic multi-hop QA: the offline task a tiny model learns on a CPU
 
-# Entity names: each one token of the tiny model's tokenizer, so copying a name is one
-# step (its last six are the bandit's arms).
+# Entity names, one token each for the tiny model (its last six are the bandit's arms):
+# copying a name is one step.
 NAMES = TINY_NAMES[:-6]
 # Each type points to the next by one relation: film -> person -> city -> country.
 ENTITY_TYPES = ["film", "person", "city", "country"]
@@ -733,7 +733,8 @@ class GameEnv:
     `new_game(rng)`, `move(action) -> (reward, done)` (setting self.success) and
     `render()`. Up to `max_actions_per_turn` actions a turn ("Up || Up || Left"), RAGEN's
     granularity; more are dropped, as are those after the game ends. A malformed turn
-    (no <answer>, an unknown action, no <think> first with `require_think`) does nothing."""
+    (no <answer>, text after it, an unknown action, no <think> first with
+    `require_think`) does nothing."""
     rules, actions = "", []
     warmup_options = {}  # as ToolEnv.warmup_options
     train_defaults = {}  # as ToolEnv.train_defaults
@@ -772,7 +773,7 @@ class GameEnv:
         answer = extract_answer(action_text)
         if self.require_think and not thought_first:
             return [], "Invalid reply: begin with your reasoning in <think>...</think>."
-        if answer is None:
+        if answer is None or not action_text.rstrip().endswith("</answer>"):
             return [], (
                 "Invalid reply: give your action as <answer>...</answer>, "
                 f"one of {', '.join(self.actions)}."
@@ -901,8 +902,8 @@ class FrozenLakeEnv(GameEnv):
     seed (each cell but start and goal a hole with `hole_probability`), redrawn until a
     path exists; the edge stops you. With `slippery=True` the intended move happens with
     p = 1/3, else a perpendicular one (1/3 each), as in Gym's FrozenLake. Reward 1 at the
-    goal, 0 in a hole (the end). One move a turn: a path's next step is what the tiny
-    model learns, and it sees a slip before moving on."""
+    goal, 0 in a hole (the end). One move a turn: the tiny model learns a path's next
+    step, and sees each slip."""
     rules = (
         "FrozenLake: you are P; walk to the goal G over the ice _ without stepping into a hole O."
     )

@@ -75,9 +75,8 @@ STARPO_S = {"algo": "ppo", "filter_ratio": 0.25, "clip_low": 0.2, "clip_high": 0
 # Defaults of the flags that StarPO-S or an env's `train_defaults` may change.
 DEFAULTS = {"algo": "grpo", "filter_ratio": 1.0, "clip_low": 0.2, "clip_high": 0.2, "kl": "none",
             "model": "tiny", "max_new_tokens": 32, "max_turns": 4, "max_total_tokens": 512,
-            "group_size": 8,
-            "lr": 1e-3, "warmup_mistake_rate": 0.6, "warmup_world_model": 0.0,
-            "truncated_reward": "keep"}
+            "group_size": 8, "warmup_world_model": 0.0,
+            "lr": 1e-3, "warmup_mistake_rate": 0.6, "truncated_reward": "keep"}
 # --env's rollout flags: an --agent program plays its own episodes.
 ROLLOUT_ONLY_FLAGS = ("max_turns", "truncated_reward")
 

@@ -635,6 +635,11 @@ def test_games_are_deterministic_and_require_think_works():
     assert "<think>" in messages[0]["content"]
     assert env.step("<answer>Up</answer>").info["format_error"]
     assert not env.step("<think>wall above?</think><answer>Up</answer>").info["format_error"]
+    # Nothing may follow the answer: RL would otherwise reinforce whatever a winning reply trails
+    # (docs/results.md, "Predicting the next grid").
+    trailing = env.step("<think>go</think><answer>Up</answer>GGGG\nDownDown")
+    assert trailing.info["format_error"] and trailing.info["actions"] == 0 and trailing.reward == -0.1
+    assert not env.step("<think>go</think> <answer>Up</answer> \n").info["format_error"]
 
 
 def test_every_env_speaks_the_interface():
