@@ -773,7 +773,7 @@ class GameEnv:
         answer = extract_answer(action_text)
         if self.require_think and not thought_first:
             return [], "Invalid reply: begin with your reasoning in <think>...</think>."
-        if answer is None or not action_text.rstrip().endswith("</answer>"):
+        if answer is None or action_text.split("</answer>", 1)[1].strip():
             return [], (
                 "Invalid reply: give your action as <answer>...</answer>, "
                 f"one of {', '.join(self.actions)}."

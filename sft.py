@@ -18,8 +18,8 @@ The warm-up must leave a *weak* agent, or RL has nothing left to do. Two phases:
 
 The loss is next-token cross-entropy on the assistant's tokens, RL's action mask: the
 model learns to act. A game adds the env's replies (`world_model`: implicit world
-modelling, arXiv 2510.08558): each next grid shows where a move went.
-The HF checkpoint it makes is cached: train.py pays once.
+modelling, arXiv 2510.08558): each next grid shows where a move went. The HF
+checkpoint it makes is cached: train.py pays once.
 """
 
 import hashlib

@@ -640,6 +640,7 @@ def test_games_are_deterministic_and_require_think_works():
     trailing = env.step("<think>go</think><answer>Up</answer>GGGG\nDownDown")
     assert trailing.info["format_error"] and trailing.info["actions"] == 0 and trailing.reward == -0.1
     assert not env.step("<think>go</think> <answer>Up</answer> \n").info["format_error"]
+    assert env.step("<answer>Up</answer></answer></answer>").info["format_error"]  # an answer's end once
 
 
 def test_every_env_speaks_the_interface():
