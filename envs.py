@@ -909,7 +909,8 @@ class FrozenLakeEnv(GameEnv):
     )
     actions = ["Left", "Down", "Right", "Up"]
     train_defaults = {
-        "max_turns": 8, "warmup_mistake_rate": 0.3, "lr": 5e-4, "warmup_world_model": 1.0
+        "max_turns": 8, "warmup_mistake_rate": 0.3, "lr": 5e-4, "warmup_world_model": 1.0,
+        "warmup_clean_steps": 1600,
     }
 
     def __init__(
@@ -987,8 +988,8 @@ class SokobanEnv(GameEnv):
     """Push the box onto the target in a walled size x size room with `interior_walls`
     more walls; levels are random per seed, redrawn until a breadth-first search over
     (player, box) states solves them. Rewards: `box_on_target_reward` +1 and
-    `solved_reward` +10 when the box reaches the target, which ends the game (no -1 for
-    pushing it off); `step_reward` 0 a move (gym-sokoban's -0.1: docs/results.md)."""
+    `solved_reward` +10 when the box reaches the target, which ends the game; `step_reward`
+    0 a move (gym-sokoban's -0.1: docs/results.md)."""
     rules = (
         "Sokoban: you are P; push the box X onto the target O. # is a wall, _ is floor. "
         "You can push the box but not pull it. * is the box on the target, + is you on the "
@@ -1040,10 +1041,9 @@ class SokobanEnv(GameEnv):
         return ((action, self.transition(*state, action)) for action in self.actions)
 
     def move(self, action):
-        self.player, box = self.transition(self.player, self.box, action)
-        pushed_on = box != self.box and box == self.target
-        self.box, self.success = box, box == self.target
-        bonus = pushed_on * (self.box_on_target_reward + self.solved_reward)
+        self.player, self.box = self.transition(self.player, self.box, action)
+        self.success = self.box == self.target
+        bonus = self.success * (self.box_on_target_reward + self.solved_reward)
         return self.step_reward + bonus, self.success
 
     def render(self):

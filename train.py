@@ -75,7 +75,7 @@ STARPO_S = {"algo": "ppo", "filter_ratio": 0.25, "clip_low": 0.2, "clip_high": 0
 # Defaults of the flags that StarPO-S or an env's `train_defaults` may change.
 DEFAULTS = {"algo": "grpo", "filter_ratio": 1.0, "clip_low": 0.2, "clip_high": 0.2, "kl": "none",
             "model": "tiny", "max_new_tokens": 32, "max_turns": 4, "max_total_tokens": 512,
-            "group_size": 8, "warmup_world_model": 0.0,
+            "group_size": 8, "warmup_world_model": 0.0, "warmup_clean_steps": 800,
             "lr": 1e-3, "warmup_mistake_rate": 0.6, "truncated_reward": "keep"}
 # --env's rollout flags: an --agent program plays its own episodes.
 ROLLOUT_ONLY_FLAGS = ("max_turns", "truncated_reward")
@@ -93,8 +93,8 @@ def get_args(argv=None):
     add("--lora_rank", type=int, default=0,
         help="train rank-R LoRA adapters on the policy, not its weights (0: off)")
     # Supervised warm-up (sft.py)
-    add("--warmup_clean_steps", type=int, default=800,
-        help="SFT steps on correct demonstrations of the easy version")
+    add("--warmup_clean_steps", type=int,
+        help="SFT steps on correct demonstrations of the easy version (default: 800, or the env's)")
     add("--warmup_steps", type=int, default=150,
         help="then SFT steps on flawed demonstrations (0: no warm-up at all)")
     add("--warmup_mistake_rate", type=float,
