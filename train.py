@@ -133,7 +133,7 @@ def get_args(argv=None):
         help="--sampler vllm on GPUs: free its share during the update")
     # Algorithm
     add("--algo", choices=["ppo", "grpo", "gigpo", "reinforce_pp"],
-        help="default: grpo; gigpo adds a step advantage per repeated state (GiGPO)")
+        help="default: grpo, or the env's; gigpo: a step advantage per repeated state")
     add("--dr_grpo", action="store_true",
         help="Dr.GRPO: GRPO without the std division, and --loss_agg seq-mean-token-sum-norm")
     add("--starpo_s", action="store_true", help="RAGEN's StarPO-S settings (explicit flags win)")
