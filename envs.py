@@ -910,7 +910,7 @@ class FrozenLakeEnv(GameEnv):
     actions = ["Left", "Down", "Right", "Up"]
     train_defaults = {
         "max_turns": 8, "warmup_mistake_rate": 0.3, "lr": 2e-4, "warmup_world_model": 1.0,
-        "warmup_clean_steps": 2400,
+        "warmup_clean_steps": 2400, "algo": "gigpo",
     }
 
     def __init__(

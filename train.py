@@ -146,7 +146,7 @@ def get_args(argv=None):
     add("--kl_estimator", choices=["k1", "k2", "k3"],
         help="default: k1 in the reward, k3 as a loss")
     add("--kl_coef", type=float, default=0.001)
-    add("--gamma", type=float, help="discount (default 1.0; GiGPO's 0.95 with --algo gigpo)")
+    add("--gamma", type=float, help="discount (default 1.0; 0.95 with --algo gigpo)")
     add("--omega", type=float, default=1.0, help="--algo gigpo: the step advantage's weight")
     add("--lam", type=float, default=1.0, help="GAE lambda")
     add("--loss_agg", choices=["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"],
@@ -236,9 +236,9 @@ def get_args(argv=None):
     check(args.algo != "gigpo" or not args.agent,
           "--algo gigpo needs each turn's observation, which --agent does not record")
     check(not args.dr_grpo or args.algo in ("grpo", "gigpo"),
-          "--dr_grpo changes GRPO's advantages: it needs --algo grpo or gigpo")
+          "--dr_grpo changes GRPO's advantages: use --algo grpo or gigpo")
     check(args.warmup_steps == 0 or args.agent or hasattr(envs.ENVS[args.env], "demonstration"),
-          f"--env {args.env} has no demonstrations to warm up on: pass --warmup_steps 0 "
+          f"--env {args.env} has no demonstrations to warm up: pass --warmup_steps 0 "
           "with a model that already writes its answer format")
     check(not args.retriever or args.env == "search_qa", "--retriever is for --env search_qa")
     check(

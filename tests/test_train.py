@@ -237,7 +237,7 @@ def test_environment_tokens_get_no_gradient(tiny_batch):
     (["--vllm_sleep"], "--vllm_sleep frees GPU memory: it needs --sampler vllm on a GPU"),
     (["--sampler", "vllm", "--vllm_sleep", "--device", "cpu"], "vLLM has no sleep mode on a CPU"),
     (["--lora_rank", "-1"], "--lora_rank must be 0 (off) or a positive rank"),
-    (["--env", "calculator"], "--env calculator has no demonstrations to warm up on: pass --warmup_steps 0"),
+    (["--env", "calculator"], "--env calculator has no demonstrations to warm up: pass --warmup_steps 0"),
     (["--algo", "gigpo", "--kl", "in_reward"], "use --kl loss with --algo gigpo"),
     # --agent's program plays its own episodes: the flags of --env's rollout would be ignored without a word
     (["--agent", "python a.py", "--max_turns", "3"], "--max_turns shape --env's rollout, which --agent replaces"),
@@ -608,12 +608,13 @@ def test_grpo_learns_to_compute_with_the_python_tool(tmp_path):
 def test_grpo_learns_frozen_lake_turn_by_turn(tmp_path):
     # FrozenLake's recipe (its train_defaults: 8 turns of one move, flawed demonstrations at 0.3, the
     # next grids predicted) with a warm-up short enough for CI: 400 correct steps, then 100 flawed (250
-    # correct are too few: no gain), and lr 5e-4, the rate it was measured at (the game's 2e-4 climbs
-    # further over 100 steps, more slowly over 20). RL sharpens the paths it walks: held-out success (128
-    # maps) over its warm-up's at step 10 or 20. Measured over RL seeds 0-3 with native and AVX2
+    # correct are too few: no gain), and GRPO at lr 5e-4, what it was measured with (the game's GiGPO at
+    # 2e-4 climbs further over 100 steps, more slowly over 20). RL sharpens the paths it walks: held-out
+    # success (128 maps) over its warm-up's at step 10 or 20. Measured over RL seeds 0-3 with native and AVX2
     # kernels, every run gained 0.17 or more (docs/results.md, "The game test"); without learning, a
     # gain over 0.1 comes by chance about once in 12. The test tries RL seeds until one gains, at most 3.
-    lake = ["--env", "frozen_lake", "--warmup_clean_steps", "400", "--warmup_steps", "100", "--lr", "5e-4"]
+    lake = ["--env", "frozen_lake", "--warmup_clean_steps", "400", "--warmup_steps", "100", "--lr", "5e-4",
+            "--algo", "grpo"]
     warmed_up = train.warm_up(train.get_args(lake + ["--seed", "0"]))
     gains = []
     for seed in ["0", "1", "2"]:
