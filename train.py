@@ -234,12 +234,12 @@ def get_args(argv=None):
     check(envs.ENVS[args.env] not in envs.DATA_ENVS or args.data,
           f"--env {args.env} needs --data (a Hub name or a local file)")
     check(args.algo != "gigpo" or not args.agent,
-          "--algo gigpo needs each turn's observation, which --agent does not record")
+          "--algo gigpo needs each turn's observation: --agent records none")
     check(not args.dr_grpo or args.algo in ("grpo", "gigpo"),
           "--dr_grpo changes GRPO's advantages: use --algo grpo or gigpo")
     check(args.warmup_steps == 0 or args.agent or hasattr(envs.ENVS[args.env], "demonstration"),
           f"--env {args.env} has no demonstrations to warm up: pass --warmup_steps 0 "
-          "with a model that already writes its answer format")
+          "with a model that writes its answer format")
     check(not args.retriever or args.env == "search_qa", "--retriever is for --env search_qa")
     check(
         not args.vllm_sleep
