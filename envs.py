@@ -39,7 +39,7 @@ import re
 import string
 from collections import Counter, deque
 from dataclasses import asdict, dataclass, replace
-from functools import lru_cache
+from functools import lru_cache, partialmethod
 from pathlib import Path
 
 import tools
@@ -349,12 +349,6 @@ def load_qa_dataset(source: str, split: str = "train", limit: int | None = None)
             ) from error
     rows = local_split(normalized, split) if local else normalized
     return rows[:limit] if limit is not None else rows
-
-
-def corpus_from_rows(rows: list[dict]) -> list[dict]:
-    """The rows' paragraphs, deduplicated: a corpus without a Wikipedia dump."""
-    unique = {(p["title"], p["text"]): p for row in rows for p in row["paragraphs"]}
-    return list(unique.values())
 
 
 @lru_cache(maxsize=16)
@@ -984,6 +978,12 @@ class FrozenLakeEnv(GameEnv):
         return grid_text(self.size, symbol)
 
 
+class SlipperyFrozenLakeEnv(FrozenLakeEnv):
+    """FrozenLake on slippery ice, as RAGEN plays it, with its recipe (docs/results.md)."""
+    __init__ = partialmethod(FrozenLakeEnv.__init__, slippery=True)
+    train_defaults = {**FrozenLakeEnv.train_defaults, "warmup_mistake_rate": 0.1, "group_size": 16}
+
+
 class SokobanEnv(GameEnv):
     """Push the box onto the target in a walled size x size room with `interior_walls`
     more walls; levels are random per seed, redrawn until a breadth-first search over
@@ -1061,7 +1061,7 @@ class SokobanEnv(GameEnv):
 ENVS = {
     "search_qa": SearchQAEnv, "synthetic_qa": SyntheticQAEnv, "calculator": CalculatorEnv,
     "compute": ComputeEnv, "math": MathEnv, "bandit": BanditEnv, "frozen_lake": FrozenLakeEnv,
-    "sokoban": SokobanEnv,
+    "frozen_lake_slippery": SlipperyFrozenLakeEnv, "sokoban": SokobanEnv,
 }
 DATA_ENVS = (SearchQAEnv, MathEnv)  # their tasks come from --data
 

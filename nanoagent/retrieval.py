@@ -108,10 +108,6 @@ def iter_passages(path_or_rows):
         yield {"title": str(row.get("title") or ""), "text": str(row["text"])}
 
 
-def load_corpus(path_or_rows) -> list[dict]:
-    """iter_passages as a list (for corpora that fit in memory)."""
-    return list(iter_passages(path_or_rows))
-
 # -----------------------------------------------------------------------------
 # Passages on disk: one JSON line each, found by a memory-mapped array of offsets
 

@@ -320,9 +320,14 @@ def test_search_qa_episode_with_process_reward():
     assert envs.SearchQAEnv(rows).reset(3)[0][1]["content"] == rows[1]["question"]
 
 
+def corpus_from_rows(rows):
+    """The rows' paragraphs, deduplicated: a shared corpus without a Wikipedia dump."""
+    return list({(p["title"], p["text"]): p for row in rows for p in row["paragraphs"]}.values())
+
+
 def test_search_qa_from_a_path_with_a_shared_corpus():
     rows = envs.load_qa_dataset(str(DATA / "2wikimultihopqa_sample.json"), split="all")
-    corpus = envs.corpus_from_rows(rows)
+    corpus = corpus_from_rows(rows)
     assert len(corpus) == 3  # the two rows share the two Harbour paragraphs
     env = envs.SearchQAEnv(str(DATA / "2wikimultihopqa_sample.json"), split="all",
                            search=tools.search_tool(corpus, top_k=1))
@@ -335,7 +340,7 @@ def test_search_qa_from_a_path_with_a_shared_corpus():
 def test_search_qa_over_a_saved_index_or_a_server_shares_one_tool_and_steps_in_one_batch(tmp_path):
     from nanoagent.retrieval import BM25Retriever, make_server
     rows = envs.load_qa_dataset(str(DATA / "hotpotqa_sample.jsonl"))
-    BM25Retriever.build(envs.corpus_from_rows(rows), tmp_path / "index")
+    BM25Retriever.build(corpus_from_rows(rows), tmp_path / "index")
     server = make_server(BM25Retriever.load(tmp_path / "index"), "127.0.0.1", 0)
     threading.Thread(target=server.serve_forever, daemon=True).start()
     url = f"http://127.0.0.1:{server.server_address[1]}/retrieve"
@@ -587,6 +592,19 @@ def test_slippery_frozen_lake_demonstration_succeeds_as_often_as_value_iteration
     assert predicted / 1500 > 0.3
 
 
+def test_frozen_lake_slippery_is_frozen_lake_with_slip_on():
+    # The named env plays the same maps, slips and rewards as FrozenLake(slippery=True), turn by turn.
+    for seed in range(20):
+        named, lake = envs.ENVS["frozen_lake_slippery"](max_turns=6), envs.FrozenLakeEnv(slippery=True, max_turns=6)
+        assert named.reset(seed, episode=1) == lake.reset(seed, episode=1)
+        for action in ["Down", "Right", "Right", "Down", "Left", "Down"]:
+            step, expected = named.step(f"<answer>{action}</answer>"), lake.step(f"<answer>{action}</answer>")
+            assert step == expected
+            if step.done:
+                break
+    assert not envs.ENVS["frozen_lake_slippery"](slippery=False).slippery  # an option still wins
+
+
 def test_flawed_demonstrations_take_another_action_at_the_mistake_rate():
     rng, mistakes, actions = random.Random(1), 0, 0
     for seed in range(300):
@@ -647,7 +665,7 @@ def test_every_env_speaks_the_interface():
     data = {"search_qa": envs.load_qa_dataset(str(DATA / "musique_sample.jsonl")),
             "math": envs.load_math_dataset(str(DATA / "gsm8k_sample.jsonl"), "all")}
     assert set(envs.ENVS) == {"search_qa", "synthetic_qa", "calculator", "compute", "math", "bandit", "frozen_lake",
-                              "sokoban"}
+                              "frozen_lake_slippery", "sokoban"}
     for name, env_class in envs.ENVS.items():
         env = env_class(data[name]) if name in data else env_class()
         messages, tool_schemas = env.reset(envs.EVAL_SEED_START)

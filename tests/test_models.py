@@ -62,6 +62,11 @@ def test_tiny_models_by_name_and_the_envs_defaults(tmp_path, monkeypatch):
     # rate (docs/results.md); the default env keeps GRPO
     assert (sokoban.algo, sokoban.gamma, lake.algo, lake.gamma, lake.lr) == ("gigpo", 0.95, "gigpo", 0.95, 2e-4)
     assert (default.algo, default.gamma) == ("grpo", 1.0)
+    # Slippery ice keeps FrozenLake's recipe but warms up on fewer mistakes, in groups of 16 (docs/results.md)
+    slippery = train.get_args(["--env", "frozen_lake_slippery"])
+    recipes = [(args.warmup_mistake_rate, args.group_size) for args in (slippery, lake)]
+    assert recipes == [(0.1, 16), (0.3, 8)]
+    assert (slippery.algo, slippery.lr, slippery.max_turns, slippery.warmup_clean_steps) == ("gigpo", 2e-4, 8, 2400)
     assert train.get_args(["--env", "sokoban", "--starpo_s"]).algo == "ppo"  # StarPO-S wins over the env's
 
 

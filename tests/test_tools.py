@@ -13,7 +13,7 @@ from hypothesis import given, settings, strategies as st
 from transformers.utils import get_json_schema
 
 from nanoagent.models import tiny_tokenizer
-from nanoagent.retrieval import BM25Retriever, load_corpus, tokenize
+from nanoagent.retrieval import BM25Retriever, iter_passages, tokenize
 from nanoagent.sandbox import Limits
 from tools import (Tool, ToolCall, calculate, calculator_tool, parse_tool_calls, python_tool, run_tool_call,
                    run_tool_calls, search_tool, validate_arguments)
@@ -536,7 +536,7 @@ def test_search_tool_output():
     assert search_tool(CORPUS, max_chars=20).function("paris") == "[1] Paris\nParis is t ... [truncated]"
 
 
-def test_load_corpus_from_rows_jsonl_parquet_and_dataset(tmp_path):
+def test_iter_passages_from_rows_jsonl_parquet_and_dataset(tmp_path):
     import datasets
     import pyarrow
     import pyarrow.parquet
@@ -545,14 +545,14 @@ def test_load_corpus_from_rows_jsonl_parquet_and_dataset(tmp_path):
     (tmp_path / "corpus.jsonl").write_text("\n".join(json.dumps(row) for row in rows) + "\n\n")
     table = pyarrow.Table.from_pylist([{"title": "A", "text": "first"}, {"title": None, "text": "no title"}])
     pyarrow.parquet.write_table(table, tmp_path / "corpus.parquet")
-    assert load_corpus(rows) == expected
-    assert load_corpus(tmp_path / "corpus.jsonl") == expected
-    assert load_corpus(str(tmp_path / "corpus.parquet")) == expected
-    assert load_corpus(datasets.Dataset.from_list(expected)) == expected
+    assert list(iter_passages(rows)) == expected
+    assert list(iter_passages(tmp_path / "corpus.jsonl")) == expected
+    assert list(iter_passages(str(tmp_path / "corpus.parquet"))) == expected
+    assert list(iter_passages(datasets.Dataset.from_list(expected))) == expected
     # Search-R1's wiki-18 rows: {"id", "contents": '"Title"\ntext'}
-    assert load_corpus([{"id": "0", "contents": '"A"\nfirst'}, {"contents": '""\nno title'}]) == expected
+    assert list(iter_passages([{"id": "0", "contents": '"A"\nfirst'}, {"contents": '""\nno title'}])) == expected
     with pytest.raises(AssertionError, match="needs a 'text'"):
-        load_corpus([{"title": "A"}])
+        list(iter_passages([{"title": "A"}]))
 
 # -----------------------------------------------------------------------------
 # The chat template renders our schemas, and the call format it teaches is the one we parse
