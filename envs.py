@@ -998,8 +998,8 @@ class SokobanEnv(GameEnv):
     actions = ["Up", "Down", "Left", "Right"]
     # Five turns of three moves reach 97% of the levels, in 640 tokens.
     train_defaults = {
-        "max_turns": 5, "max_total_tokens": 640, "warmup_mistake_rate": 0.2, "lr": 5e-4,
-        "group_size": 16, "warmup_world_model": 1.0, "algo": "gigpo",
+        "max_turns": 5, "max_total_tokens": 640, "warmup_mistake_rate": 0.2, "lr": 2e-4,
+        "group_size": 16, "warmup_world_model": 1.0, "algo": "gigpo", "warmup_clean_steps": 4800,
     }
 
     def __init__(
