@@ -248,12 +248,36 @@ def _kill(proc: subprocess.Popen, token: str, bwrap: bool) -> None:
         with contextlib.suppress(ProcessLookupError):
             os.killpg(proc.pid, signal.SIGKILL)
     marker = f"NANOAGENT_SANDBOX={token}".encode()
-    for _ in range(10):  # a process may fork while we look: until a pass finds nothing
+    for _ in range(50):  # a process may fork or exec while we look: until a pass finds nothing
         found = False
         for pid in filter(str.isdigit, os.listdir("/proc")):
-            with contextlib.suppress(OSError), open(f"/proc/{pid}/environ", "rb") as file:
-                if marker in file.read().split(b"\0") and not (bwrap and int(pid) == proc.pid):
-                    os.kill(int(pid), signal.SIGKILL)  # (a dead process's environ is empty)
+            with contextlib.suppress(OSError):
+                environ = _environ(pid)
+                if environ is None:  # one in an execve: look again once it is through
+                    found = True
+                elif marker in environ.split(b"\0") and not (bwrap and int(pid) == proc.pid):
+                    os.kill(int(pid), signal.SIGKILL)
                     found = True
         if not found:
             return
+        time.sleep(0.001)
+
+
+def _environ(pid: str) -> bytes | None:
+    """/proc/PID/environ, or None while an execve replaces it: it reads empty then, as
+    when the read opened the memory the execve dropped, or the kernel has not set the
+    new one up yet (env_end 0 in /proc/PID/stat) or is writing it (env_start == env_end,
+    as with no environment at all)."""
+    for _ in range(3):
+        with open(f"/proc/{pid}/environ", "rb") as file:
+            environ = file.read()
+        if environ:
+            return environ
+        with open(f"/proc/{pid}/stat") as file:  # fields 3, 9, 50, 51 (man 5 proc)
+            fields = file.read().rsplit(")", 1)[1].split()
+        state, flags, env_start, env_end = fields[0], int(fields[6]), fields[47], fields[48]
+        if state in "ZX" or flags & 0x00200000:  # no memory: a zombie, or PF_KTHREAD
+            return b""
+        if env_end == "0":
+            return None
+    return b"" if env_start == env_end else None

@@ -387,6 +387,29 @@ def test_a_detached_grandchild_with_a_new_environment_dies_with_bubblewrap(share
     assert processes_with(b"detached-grandchild") == []
 
 
+def test_the_environment_of_a_process_in_an_execve_is_not_taken_for_none():
+    """While an execve replaces a process's memory, /proc reads its environment empty: the
+    look for a call's token must wait for the new one (None), not pass the process by."""
+    loop = 'if [ "$1" -gt 0 ]; then exec /bin/sh -c "$0" "$0" $(($1 - 1)); fi'
+    execs = subprocess.Popen(["/bin/sh", "-c", loop, loop, "1000000"], env={"MARK": "1"})
+    plain, ours = [], []
+    try:
+        for _ in range(20_000):
+            with open(f"/proc/{execs.pid}/environ", "rb") as file:
+                plain.append(file.read())
+            ours.append(sandbox._environ(str(execs.pid)))
+    finally:
+        execs.kill()
+        execs.wait()
+    assert b"" in plain, "no read fell in an execve: the test shows nothing here"
+    assert all(environ is None or b"MARK=1" in environ.split(b"\0") for environ in ours)
+    assert ours.count(None) < len(ours) / 2
+    with subprocess.Popen(["sleep", "10"], env={}) as bare:  # and no environment reads as none
+        time.sleep(0.2)  # through its execve
+        assert sandbox._environ(str(bare.pid)) == b""
+        bare.kill()
+
+
 def test_signalling_the_parent_does_not_kill_the_caller(uid_of_its_own):
     code = program(f"""
         import os, signal
