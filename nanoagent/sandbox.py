@@ -264,10 +264,10 @@ def _kill(proc: subprocess.Popen, token: str, bwrap: bool) -> None:
 
 
 def _environ(pid: str) -> bytes | None:
-    """/proc/PID/environ, or None while an execve replaces it: it reads empty then, as
-    when the read opened the memory the execve dropped, or the kernel has not set the
-    new one up yet (env_end 0 in /proc/PID/stat) or is writing it (env_start == env_end,
-    as with no environment at all)."""
+    """/proc/PID/environ, or None while an execve replaces it. Mid-execve it reads empty:
+    the read opened the memory the execve dropped (read again), or the kernel has not
+    set the new one up (env_end 0 in /proc/PID/stat) or is still writing it (env_start
+    == env_end, which is also how a process with no environment looks)."""
     for _ in range(3):
         with open(f"/proc/{pid}/environ", "rb") as file:
             environ = file.read()
