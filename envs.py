@@ -248,10 +248,11 @@ def step_envs(envs: list, texts: list[str]) -> list[StepResult]:
 # Search QA (Agent-R1's task): HotpotQA, 2WikiMultihopQA, MuSiQue
 
 
-HUB_DATASETS = {  # (Hub name, config)
-    "hotpotqa": ("hotpotqa/hotpot_qa", "distractor"),
-    "2wikimultihopqa": ("framolfese/2WikiMultihopQA", None),
-    "musique": ("dgslibisey/MuSiQue", None), "gsm8k": ("openai/gsm8k", "main"),
+HUB_DATASETS = {  # (Hub name, config, held-out split): GSM8K has train and test only
+    "hotpotqa": ("hotpotqa/hotpot_qa", "distractor", "validation"),
+    "2wikimultihopqa": ("framolfese/2WikiMultihopQA", None, "validation"),
+    "musique": ("dgslibisey/MuSiQue", None, "validation"),
+    "gsm8k": ("openai/gsm8k", "main", "test"),
 }
 
 
@@ -291,11 +292,11 @@ def held_out(row_id: str) -> float:
 
 
 def local_split(rows: list[dict], split: str) -> list[dict]:
-    """The `split` of a local file's rows: "validation" is the HELD_OUT_SHARE of them (at
+    """The `split` of a local file's rows: "held-out" is the HELD_OUT_SHARE of them (at
     least one) with the lowest held_out(id), "train" the rest, "all" every row (eval.py)."""
-    if split not in ("train", "validation", "all"):
+    if split not in ("train", "held-out", "all"):
         raise UserError(
-            "a local data file has the splits train, validation (held out from it) and "
+            "a local data file has the splits train, held-out (a share of its rows) and "
             f"all, not {split!r}"
         )
     if split == "all":
@@ -310,16 +311,22 @@ def local_split(rows: list[dict], split: str) -> list[dict]:
         ids = [f"{index}/{row_id}" for index, row_id in enumerate(ids)]
     order = sorted(range(len(rows)), key=lambda index: held_out(ids[index]))
     held = set(order[:max(1, round(HELD_OUT_SHARE * len(rows)))])
-    return [row for index, row in enumerate(rows) if (index in held) == (split == "validation")]
+    return [row for index, row in enumerate(rows) if (index in held) == (split == "held-out")]
 
 
 def read_rows(source: str, split: str) -> tuple[object, bool]:
     """(raw rows, whether local): all of a local .json/.jsonl/.parquet file's rows (the
-    caller applies local_split), or the Hub dataset's `split` (HUB_DATASETS: short names)."""
+    caller applies local_split), or `split` of a Hub dataset (HUB_DATASETS: short names) or
+    a local dataset directory. Their "held-out" (no real split can bear the name) is their
+    own: HUB_DATASETS's, else validation, or test where there is none."""
     import datasets  # here: slow to import, and only dataset envs need it
     suffix = Path(source).suffix
     if suffix not in (".json", ".jsonl", ".parquet"):
-        name, config = HUB_DATASETS.get(source.lower(), (source, None))
+        name, config, held = HUB_DATASETS.get(source.lower(), (source, None, None))
+        if split == "held-out" and held is None:
+            splits = datasets.get_dataset_split_names(name, config)
+            held = "validation" if "validation" in splits else "test"
+        split = held if split == "held-out" else split
         return datasets.load_dataset(name, config, split=split), False
     if not Path(source).exists():
         raise UserError(f"data file {source} does not exist")

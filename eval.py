@@ -3,7 +3,7 @@ Evaluate trained agents, run the papers' baselines, and chat with an agent in th
 
     python eval.py --model tiny --env synthetic_qa --n 64   # one model, greedy
     python eval.py --model Qwen/Qwen2.5-3B-Instruct --model runs/ppo/step_000200 \
-        --model runs/grpo/step_000200 --env search_qa --data hotpotqa --split validation \
+        --model runs/grpo/step_000200 --env search_qa --data hotpotqa --split held-out \
         --n 512 --baselines --json results.json
     python eval.py --model runs/grpo/step_000200 --env calculator \
         --temperature 0 1.0 --samples 8   # + pass@1..8
@@ -275,9 +275,11 @@ def get_args(argv=None):
     add("--env", default="synthetic_qa", choices=sorted(envs.ENVS))
     add("--env_options", default="{}", help='JSON constructor options, e.g. \'{"hops": 3}\'')
     add("--max_turns", type=int, help="default: the env's own")
-    add("--data", default="hotpotqa", help="search_qa, math: Hub name, local .json/.jsonl/.parquet")
-    add("--split", default="validation",
-        help="search_qa: the held-out split (a local file: its held-out share; 'all': every row)")
+    add("--data", default="hotpotqa",
+        help="search_qa, math: Hub name, local dataset directory or .json/.jsonl/.parquet")
+    add("--split", default="held-out",
+        help="search_qa, math: held-out is the dataset's own (envs.read_rows; a local file: "
+        "its held-out share), or a split's name ('all': every row)")
     add("--n", type=int, default=256, help="evaluation seeds (search_qa: rows)")
     add("--seed_start", type=int, help="default: EVAL_SEED_START (search_qa: 0)")
     # Output and modes

@@ -835,14 +835,16 @@ def kept_group(tokenizer, step, scored):
 def evaluate_held_out(sampler, tokenizer, args, rank=0, world_size=1, device="cpu", server=None):
     """Held-out success rate and mean score at the training temperature, over all ranks; with a
     `server`, the --agent program plays (a failed episode is left out)."""
-    # search_qa: rows of the validation split
+    # search_qa, math: rows of the held-out split (envs.read_rows: each dataset's own)
     seeds = list(envs.eval_seeds(args.eval_episodes))[rank::world_size]
     if server is not None:
         trajectories = server.play(
             args.agent, seeds, 1, args.agent_timeout, sample_seed=args.seed + 1
         )
     else:
-        make_env = envs.env_factory(args.env, args.env_options, data=args.data, split="validation")
+        make_env = envs.env_factory(
+            args.env, args.env_options, data=args.data, split="held-out"
+        )
         trajectories = rollout.rollout(
             sampler, tokenizer, make_env, seeds, 1, args.max_turns, args.max_new_tokens,
             args.max_total_tokens, temperature=args.temperature, sample_seed=args.seed + 1,

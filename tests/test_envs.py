@@ -7,6 +7,7 @@ import re
 import threading
 from collections import Counter, deque
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 from transformers.utils import get_json_schema
@@ -274,7 +275,7 @@ def write_rows(path, count, drop=None):
 def test_a_local_file_holds_out_a_fixed_share_for_validation(tmp_path):
     rows = write_rows(tmp_path / "rows.jsonl", 50)
     train = envs.load_qa_dataset(str(tmp_path / "rows.jsonl"), split="train")
-    validation = envs.load_qa_dataset(str(tmp_path / "rows.jsonl"), split="validation")
+    validation = envs.load_qa_dataset(str(tmp_path / "rows.jsonl"), split="held-out")
     assert len(validation) == 5 and len(train) == 45  # HELD_OUT_SHARE of the rows
     assert {row["id"] for row in train} | {row["id"] for row in validation} == {row["id"] for row in rows}
     assert not {row["id"] for row in train} & {row["id"] for row in validation}  # never trained on
@@ -282,7 +283,7 @@ def test_a_local_file_holds_out_a_fixed_share_for_validation(tmp_path):
     shuffled = tmp_path / "shuffled.jsonl"
     lines = (tmp_path / "rows.jsonl").read_text().splitlines()
     shuffled.write_text("\n".join(lines[::-1]) + "\n")
-    again = envs.load_qa_dataset(str(shuffled), split="validation")
+    again = envs.load_qa_dataset(str(shuffled), split="held-out")
     assert sorted(row["id"] for row in again) == sorted(row["id"] for row in validation)
     # Reference: the 5 ids with the lowest hash, computed here by hand.
     digests = {row["id"]: hashlib.blake2b(row["id"].encode(), digest_size=8).digest() for row in rows}
@@ -290,10 +291,99 @@ def test_a_local_file_holds_out_a_fixed_share_for_validation(tmp_path):
     assert sorted(row["id"] for row in validation) == sorted(lowest)
     # Training and evaluation envs read disjoint rows; "all" is every row (a file of held-out questions).
     make_train = envs.env_factory("search_qa", {}, data=str(tmp_path / "rows.jsonl"), split="train")
-    make_eval = envs.env_factory("search_qa", {}, data=str(tmp_path / "rows.jsonl"), split="validation")
+    make_eval = envs.env_factory(
+        "search_qa", {}, data=str(tmp_path / "rows.jsonl"), split="held-out"
+    )
     asked = lambda make, seeds: {make().reset(seed)[0][1]["content"] for seed in seeds}
     assert not asked(make_train, range(100)) & asked(make_eval, envs.eval_seeds(16))
     assert len(envs.load_qa_dataset(str(tmp_path / "rows.jsonl"), split="all")) == 50
+
+
+# The named Hub datasets' splits, as their dataset cards list them: GSM8K has no validation.
+HUB_SPLITS = {
+    "hotpotqa/hotpot_qa": ["train", "validation"],
+    "framolfese/2WikiMultihopQA": ["train", "validation"],
+    "dgslibisey/MuSiQue": ["train", "validation"],
+    "openai/gsm8k": ["train", "test"],
+}
+
+
+def fake_hub(monkeypatch, rows):
+    """datasets.load_dataset answering for HUB_SPLITS's datasets with `rows`, and raising as the
+    real one does for a split the dataset lacks; the list it returns records each ask."""
+    import datasets
+    asked = []
+
+    def load_dataset(name, config=None, split=None):
+        asked.append((name, config, split))
+        if split not in HUB_SPLITS[name]:
+            raise ValueError(f'Unknown split "{split}". Should be one of {HUB_SPLITS[name]}.')
+        return rows
+    monkeypatch.setattr(datasets, "load_dataset", load_dataset)
+    return asked
+
+
+def test_each_named_hub_dataset_is_asked_only_for_splits_it_has(monkeypatch):
+    asked = fake_hub(monkeypatch, [])
+    for short_name in ("hotpotqa", "2wikimultihopqa", "musique", "gsm8k"):
+        for split in ("train", "held-out"):
+            assert envs.read_rows(short_name, split) == ([], False)
+    assert asked == [
+        ("hotpotqa/hotpot_qa", "distractor", "train"),
+        ("hotpotqa/hotpot_qa", "distractor", "validation"),
+        ("framolfese/2WikiMultihopQA", None, "train"),
+        ("framolfese/2WikiMultihopQA", None, "validation"),
+        ("dgslibisey/MuSiQue", None, "train"), ("dgslibisey/MuSiQue", None, "validation"),
+        ("openai/gsm8k", "main", "train"), ("openai/gsm8k", "main", "test"),  # no validation
+    ]
+
+
+def test_the_readme_gsm8k_commands_held_out_evaluation_reads_gsm8ks_test_split(monkeypatch):
+    import train  # here: only this test needs the trainer
+    rows = [json.loads(line) for line in (DATA / "gsm8k_sample.jsonl").read_text().splitlines()]
+    asked = fake_hub(monkeypatch, rows)
+    args = train.get_args([
+        "--model", "Qwen/Qwen2.5-3B-Instruct", "--warmup_steps", "0", "--sampler", "vllm",
+        "--env", "math", "--data", "gsm8k", "--lr", "1e-6", "--max_new_tokens", "512",
+        "--max_total_tokens", "4096",
+    ])
+    questions = []
+
+    def rollout(sampler, tokenizer, make_env, seeds, *settings, **options):
+        questions.extend(make_env().reset(seed)[0][1]["content"] for seed in seeds[:3])
+        return [SimpleNamespace(info={"success": True}, score=1.0)]
+    monkeypatch.setattr(train.rollout, "rollout", rollout)
+    envs.cached_dataset.cache_clear()  # "gsm8k" must come from the fake Hub, and not stay
+    try:
+        assert train.evaluate_held_out(None, None, args) == {"eval_success": 1.0, "eval_score": 1.0}
+    finally:
+        envs.cached_dataset.cache_clear()
+    assert asked == [("openai/gsm8k", "main", "test")]
+    assert questions == [row["question"] for row in rows[:3]]
+
+
+@pytest.mark.parametrize("layout", ["save_to_disk", "hub_parquet"])
+@pytest.mark.parametrize("splits, held_out", [(("train", "test"), "test"),
+                                              (("train", "validation", "test"), "validation")])
+def test_a_local_dataset_directory_holds_out_its_own_split(tmp_path, layout, splits, held_out):
+    import datasets
+    rows = [json.loads(line) for line in (DATA / "gsm8k_sample.jsonl").read_text().splitlines()]
+    parts = {"train": rows[:4], "validation": rows[4:6], "test": rows[6:]}
+    dataset = datasets.DatasetDict(
+        {split: datasets.Dataset.from_list(parts[split]) for split in splits}
+    )
+    if layout == "save_to_disk":
+        dataset.save_to_disk(tmp_path / "gsm8k")
+    else:  # a repository as the Hub lays it out
+        for split in splits:
+            path = tmp_path / "gsm8k" / "data" / f"{split}-00000-of-00001.parquet"
+            dataset[split].to_parquet(path)
+    source = str(tmp_path / "gsm8k")
+    question = lambda split: [row["question"] for row in envs.load_math_dataset(source, split)]
+    assert question("train") == [row["question"] for row in parts["train"]]
+    assert question("held-out") == [row["question"] for row in parts[held_out]]
+    make_env = envs.env_factory("math", {}, data=source, split="held-out")
+    assert make_env().reset(1)[0][1]["content"] == parts[held_out][1]["question"]
 
 
 @pytest.mark.parametrize("drop, field", [("question", "'question'"), ("answer", "'answer'"),
@@ -744,7 +834,7 @@ def test_math_env_on_a_gsm8k_sample_in_the_hubs_schema(tmp_path):
     rows = envs.load_math_dataset(str(DATA / "gsm8k_sample.jsonl"), "all")
     assert [row["answers"] for row in rows] == [["38"], ["315"], ["25"], ["50"], ["2125"], ["32"], ["-7"], ["700"]]
     train, held_out = (envs.load_math_dataset(str(DATA / "gsm8k_sample.jsonl"), split) for split in
-                       ("train", "validation"))
+                       ("train", "held-out"))
     assert len(held_out) == 1 and len(train) == 7 and held_out[0] not in train
     env = envs.MathEnv(rows)
     env.reset(4)  # 3,400 - 1,275
