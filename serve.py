@@ -36,8 +36,11 @@ the task seed ($NANOAGENT_TASK_SEED) and the episode's id ($NANOAGENT_EPISODE_ID
 its environment. Its last line of output is its reward, {"reward": 1.0, "success":
 true}, put on the last token of each of its segments. A program that crashes, hangs
 past the time-out or reports no reward loses its group for the step; the log says why.
-When it ends, its process group is killed and its episode closed: a late request gets a
-404, a queued turn is dropped, and nothing is sampled during the update.
+When it ends or times out, every process it started is killed, wherever it moved (a new
+session, a double fork: all carry a token in their environment, as in nanoagent/sandbox.py;
+one that also drops its environment escapes), its output read a second more at most, and
+its episode closed: a late request gets a 404, a queued turn or one sampled as it ended is
+dropped, and nothing is sampled during the update.
 """
 
 import argparse
@@ -47,7 +50,6 @@ import os
 import queue
 import re
 import shlex
-import signal
 import subprocess
 import threading
 import time
@@ -60,6 +62,7 @@ from typing import NamedTuple
 
 import rollout
 import tools
+from nanoagent import sandbox
 from nanoagent.common import UserError, print0
 from nanoagent.models import load_model, resolve_model_path
 from nanoagent.report import TRAJECTORIES, append_jsonl, trajectory_records
@@ -333,16 +336,20 @@ class Server:
             self.turns.put(Turn(
                 trajectory.token_ids + new_tokens, limit, temperature, top_p, seed, episode, done))
             generation = done.result()
+            with self.lock:  # play_one collects under it: a late turn is recorded whole or not
+                if not self.is_open(episode):  # sampled as its program ended
+                    raise RequestError(
+                        f"episode {episode!r} ended", code="episode_closed", status=404)
+                message, finish_reason, sampled, logprobs = self.record(
+                    conversation, new_messages, new_tokens, generation, stop, opening,
+                    parse=body.get("tool_choice") != "none",
+                )
         except BaseException:
             with self.lock:  # the client may still extend it; a new one is forgotten
                 conversation.busy = False
                 if not trajectory.num_turns and conversation in self.conversations:
                     self.conversations.remove(conversation)
             raise
-        message, finish_reason, sampled, logprobs = self.record(
-            conversation, new_messages, new_tokens, generation, stop, opening,
-            parse=body.get("tool_choice") != "none",
-        )
         # This turn as the client sends it back, read by read_messages
         conversation.keys = keys + [json.dumps(read_messages([message])[0], sort_keys=True)]
         conversation.busy = False
@@ -496,34 +503,20 @@ class Server:
 
 
 def run_program(command, environment, timeout_s):
-    """Run a command line in a session (process group) of its own, killed as a group
-    when it ends or times out: (its exit code, None if it timed out; its output's tail;
-    its errors')."""
+    """Run a command line in a session of its own; at its time-out or its exit, kill
+    every process it started, wherever it moved (sandbox.kill_all: they carry a token in
+    their environment), and read its output a second more at most: (its exit code, None
+    if it timed out; its output's tail; its errors')."""
+    token = os.urandom(8).hex()
     with subprocess.Popen(
-        shlex.split(command), env=environment, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-        start_new_session=True,
+        shlex.split(command), env={**environment, "NANOAGENT_SANDBOX": token},
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True,
     ) as process:
-        with ThreadPoolExecutor(2) as readers:  # they read until the last of the group is gone
-            streams = (process.stdout, process.stderr)
-            tails = [readers.submit(read_tail, stream) for stream in streams]
-            try:
-                returncode = process.wait(timeout_s)
-            except subprocess.TimeoutExpired:
-                returncode = None
-            try:
-                os.killpg(process.pid, signal.SIGKILL)
-            except ProcessLookupError:  # no process of the group is left
-                pass
-    return returncode, *(tail.result().decode(errors="replace") for tail in tails)
-
-
-def read_tail(stream, keep=8192):
-    """The last `keep` bytes of a stream read to its end: a program may print without
-    bound."""
-    tail = b""
-    while chunk := stream.read(65536):
-        tail = (tail + chunk)[-keep:]
-    return tail
+        output, errors, stopped = sandbox.collect(
+            process, timeout_s, 8192, kill=lambda: sandbox.kill_all(process, token), tail=True
+        )
+    returncode = None if stopped else process.returncode
+    return returncode, output.decode(errors="replace"), errors.decode(errors="replace")
 
 
 class HTTPServer(ThreadingHTTPServer):

@@ -116,7 +116,7 @@ def _probe() -> tuple[str, ...]:
 
 
 def _run(source: bytes, limits: Limits, bwrap: bool, as_nobody: bool) -> tuple[str, bool]:
-    token = os.urandom(8).hex()  # marks every process of this call (see _kill)
+    token = os.urandom(8).hex()  # marks every process of this call (see kill_all)
     with tempfile.TemporaryDirectory(
         prefix="nanoagent-sandbox-", ignore_cleanup_errors=True
     ) as workdir:
@@ -135,8 +135,9 @@ def _run(source: bytes, limits: Limits, bwrap: bool, as_nobody: bool) -> tuple[s
             start_new_session=True,
         ) as proc:  # reaped on exit
             try:
-                stdout, stderr, stopped = _collect(
-                    proc, limits, kill=lambda: _kill(proc, token, bwrap)
+                stdout, stderr, stopped = collect(
+                    proc, limits.timeout_s, limits.output_bytes,
+                    kill=lambda: kill_all(proc, token, bwrap)
                 )
             finally:  # bwrap, should it still run; the group, in any case
                 with contextlib.suppress(ProcessLookupError):
@@ -206,12 +207,13 @@ def _what_the_model_reads(stdout, stderr, stopped, returncode, limits) -> tuple[
     return f"{text}{separator}[sandbox: {note}]", False
 
 
-def _collect(proc: subprocess.Popen, limits: Limits, kill) -> tuple[bytes, bytes, str]:
+def collect(proc, timeout_s, output_bytes, kill, tail=False) -> tuple[bytes, bytes, str]:
     """Read stdout and stderr until the program ends: kill() at the time-out, past
-    the output cap, or once it exits (its children may hold the pipes), then wait a
-    second at most. Returns (stdout, stderr, "" or why stopped)."""
+    output_bytes, or once it exits (its children may hold the pipes), then read a
+    second at most. With tail, keep each stream's last output_bytes instead (a program
+    may print without bound). Returns (stdout, stderr, "" or why stopped)."""
     output = {proc.stdout.fileno(): bytearray(), proc.stderr.fileno(): bytearray()}
-    deadline, stopped, killed = time.monotonic() + limits.timeout_s, "", False
+    deadline, stopped, killed = time.monotonic() + timeout_s, "", False
     exit_fd = os.pidfd_open(proc.pid)  # readable once it (or bwrap) exits; it is not reaped
     try:
         with selectors.DefaultSelector() as selector:
@@ -223,9 +225,11 @@ def _collect(proc: subprocess.Popen, limits: Limits, kill) -> tuple[bytes, bytes
                     chunk = os.read(key.fd, 1 << 16) if key.fd != exit_fd else b""
                     if chunk:
                         output[key.fd] += chunk
+                        if tail:
+                            del output[key.fd][:-output_bytes]
                     else:  # end of file, or the exit
                         selector.unregister(key.fd)
-                if not stopped and sum(map(len, output.values())) > limits.output_bytes:
+                if not (stopped or tail) and sum(map(len, output.values())) > output_bytes:
                     stopped = "output"
                     for fd in output.keys() & selector.get_map().keys():
                         selector.unregister(fd)  # read no more, but still wait for the exit
@@ -240,8 +244,9 @@ def _collect(proc: subprocess.Popen, limits: Limits, kill) -> tuple[bytes, bytes
     return bytes(output[proc.stdout.fileno()]), bytes(output[proc.stderr.fileno()]), stopped
 
 
-def _kill(proc: subprocess.Popen, token: str, bwrap: bool) -> None:
-    """SIGKILL the call's process group and every process carrying its token. Under
+def kill_all(proc: subprocess.Popen, token: str, bwrap=False) -> None:
+    """SIGKILL the call's process group and every process carrying its token
+    (NANOAGENT_SANDBOX=token in its environment), wherever it moved. Under
     bubblewrap, spare bwrap: the namespace's first process (bwrap's fork) has the
     token, and its death ends the namespace, then bwrap."""
     if not bwrap:

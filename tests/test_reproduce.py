@@ -6,7 +6,9 @@ from pathlib import Path
 
 import pytest
 
-pytest.importorskip("matplotlib")
+from tests.conftest import import_or_skip_outside_ci
+
+import_or_skip_outside_ci("matplotlib")
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
 import reproduce  # noqa: E402
 

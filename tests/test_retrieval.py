@@ -2,7 +2,6 @@
 Search-R1 retrieval server and client on loopback, batched search, and dense retrieval offline."""
 
 import json
-import os
 import random
 import socket
 import subprocess
@@ -21,6 +20,7 @@ import tools
 from nanoagent.common import UserError
 from nanoagent.retrieval import (BM25Retriever, DenseRetriever, RemoteRetriever, from_contents, make_server,
                                  open_retriever, to_contents, top_k)
+from tests.conftest import import_or_skip_outside_ci
 
 WORDS = ("river stone cloud lamp forest harbor violin copper meadow glacier lantern orchard pepper "
          "saddle thunder velvet walnut anchor bridge candle").split()
@@ -193,10 +193,8 @@ def test_search_calls_of_many_episodes_run_as_one_batch():
 
 
 def test_dense_index_built_once_finds_planted_passages(tmp_path):
-    if not os.environ.get("CI"):  # CI installs the extra (requirements-retrieval.txt): there it must run
-        pytest.importorskip("faiss")
-        pytest.importorskip("sentence_transformers")
-    import sentence_transformers
+    import_or_skip_outside_ci("faiss")  # CI installs the extra (requirements-retrieval.txt): there it must run
+    sentence_transformers = import_or_skip_outside_ci("sentence_transformers")
     from sentence_transformers.sentence_transformer.modules import BoW
     names = [f"zorblat{i}" for i in range(0, 200, 7)] + [f"quennish{i}" for i in range(0, 200, 7)]
     encoder = sentence_transformers.SentenceTransformer(modules=[BoW(vocab=WORDS + names)])  # offline, deterministic

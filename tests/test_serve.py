@@ -1,12 +1,13 @@
 """serve.py with the real `openai` client against a real server on localhost: token-exact trajectories,
 tool calls, batching of concurrent conversations, OpenAI-style errors, episodes played by outside programs."""
 
+import contextlib
 import http.client
-import io
 import json
 import os
 import resource
 import shutil
+import signal
 import socket
 import sys
 import threading
@@ -23,7 +24,7 @@ from nanoagent.common import UserError
 from nanoagent.models import tiny_model, tiny_tokenizer
 from nanoagent.report import trajectory_records
 from nanoagent.sampler import Generation, TorchSampler
-from serve import Server, read_tail
+from serve import Server
 from rollout import encode_chat, observation_tokens, render, sample_seed_for
 from tests.test_rollout import REPLIES, TOOL_CALL, ScriptedSampler, scripted_replies
 
@@ -315,10 +316,12 @@ def test_concurrent_first_requests_of_an_episode_get_segments_and_seeds_of_their
 
 
 class Holding(Recording):
-    """Holds its first batch until play's episodes are over (a program that leaves mid-turn)."""
+    """Holds its batches, after the first `free`, until play's episodes are over (a program that leaves
+    mid-turn)."""
+    free = 0
 
     def generate(self, prompts, max_new_tokens, **options):
-        while self.server.episodes:
+        while len(self.calls) >= self.free and self.server.episodes:
             time.sleep(0.01)
         generations = super().generate(prompts, max_new_tokens, **options)
         self.returned = time.monotonic()
@@ -348,6 +351,32 @@ print('{"reward": 1.0}')
     assert (status, reply["error"]["code"]) == (404, "episode_closed")  # a late request
     assert post(server, {"messages": OPENING})[0] == 200  # outside play's episodes: served as ever
     server.close()
+
+
+def test_a_turn_sampled_as_its_program_exits_is_not_recorded_in_the_trajectories_play_returned(tmp_path):
+    tokenizer = tiny_tokenizer()
+    sampler = Holding(ScriptedSampler(tokenizer, scripted_replies(tokenizer)))
+    server, _ = serving(sampler, tokenizer)
+    sampler.server, sampler.free = server, 1
+    # One turn answered, then a second sent, whose sampling ends after the program exits and play collected its
+    # trajectory: its reply reaches a handler thread while play (then the update) reads that trajectory.
+    late = program(tmp_path, "late", """import threading, time, openai
+client = openai.OpenAI(max_retries=0)
+messages = [{"role": "user", "content": "Q"}]
+reply = client.chat.completions.create(model="m", messages=messages, tool_choice="none")
+messages += [{"role": "assistant", "content": reply.choices[0].message.content}, {"role": "user", "content": "Q2"}]
+threading.Thread(target=client.chat.completions.create, daemon=True,
+                 kwargs={"model": "m", "messages": messages, "tool_choice": "none"}).start()
+time.sleep(0.5)
+print('{"reward": 1.0}')
+""")
+    [trajectory] = server.play(late, [0], group_size=1, timeout_s=60)
+    played = (list(trajectory.token_ids), list(trajectory.turn_rewards))
+    time.sleep(0.5)  # the late turn's handler thread, given time to record it
+    server.close()
+    assert len(sampler.calls) == 2  # the late turn was sampled
+    assert (list(trajectory.token_ids), list(trajectory.turn_rewards)) == played
+    assert trajectory.num_turns == 1 and trajectory.turn_rewards == [1.0]
 
 
 NAMED = {"type": "function", "function": {"name": "calculator"}}
@@ -533,6 +562,51 @@ print('{{"reward": 1.0}}')  # leaves its helper running
     assert len(helpers) == 2 and not any(map(alive, helpers))
 
 
+def test_children_that_leave_the_session_and_keep_stdout_open_neither_hold_play_nor_outlive_it(tmp_path):
+    # Each program starts three sleepers that keep its stdout open: one in a session of its own, one double-forked
+    # (orphaned at once), one that also drops its environment (the token): nothing finds that one, but play stops
+    # reading a second after the kill and returns all the same.
+    tokenizer = tiny_tokenizer()
+    server, _ = serving(ScriptedSampler(tokenizer, scripted_replies(tokenizer)), tokenizer)
+    pids = tmp_path / "pids"
+    detacher = program(tmp_path, "detacher", f"""import os, subprocess, sys, time
+sleeper = [sys.executable, "-c", "import time; time.sleep(30)"]
+detached = subprocess.Popen(sleeper, start_new_session=True).pid
+unmarked = subprocess.Popen(sleeper, start_new_session=True, env={{}}).pid
+read, write = os.pipe()
+if os.fork() == 0:
+    os.setsid()
+    orphan = os.fork()
+    if orphan == 0:
+        os.execv(sys.executable, sleeper)
+    os.write(write, str(orphan).encode())
+    os._exit(0)
+os.wait()
+with open({str(pids)!r}, "a") as pids:
+    print(detached, os.read(read, 20).decode(), unmarked, file=pids)
+if os.environ["NANOAGENT_TASK_SEED"] == "0":
+    time.sleep(600)  # hangs: killed at the time-out
+print('{{"reward": 1.0}}')
+""")
+    start = time.monotonic()
+    try:
+        with pytest.raises(UserError, match="every group"):  # neither made a request
+            server.play(detacher, [0, 1], group_size=1, timeout_s=2)
+        elapsed = time.monotonic() - start
+        started = [[int(pid) for pid in line.split()] for line in pids.read_text().splitlines()]
+        marked = [pid for detached, orphan, _ in started for pid in (detached, orphan)]
+        deadline = time.monotonic() + 10  # the killed sleepers' new parent reaps them
+        while any(map(alive, marked)) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert elapsed < 2 + 5, f"play took {elapsed:.1f} s with a time-out of 2 s"
+        assert len(marked) == 4 and not any(map(alive, marked))
+    finally:
+        server.close()
+        for pid in map(int, pids.read_text().split() if pids.exists() else []):  # the unmarked ones, too
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+
+
 def test_a_program_printing_hundreds_of_megabytes_leaves_the_trainers_memory_flat(tiny, tmp_path):
     model, tokenizer = tiny
     server, _ = serving(TorchSampler(model), tokenizer, max_new_tokens=4)
@@ -546,7 +620,6 @@ print(json.dumps({"reward": 0.5}))
     server.close()
     assert trajectory.score == 0.5  # its last line, after 300 MiB
     assert resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - peak < 50 * 1024
-    assert len(read_tail(io.BytesIO(b"y" * 10**6 + b"end"), keep=100)) == 100
 
 
 def test_a_dropped_groups_log_line_names_the_refusals_its_program_got(tmp_path, capsys):
