@@ -563,14 +563,14 @@ class CalculatorEnv(ToolEnv):
                 f"A shop has {boxes} boxes of {per_box} nails each and sells {given} nails. "
                 "How many nails are left?"
             )
-            answer = boxes * per_box - given
+            answer, expression = boxes * per_box - given, f"{boxes} * {per_box} - {given}"
         elif kind == 1:
             per_hour, hours, days = rng.randint(100, 999), rng.randint(10, 24), rng.randint(10, 99)
             question = (
                 f"A factory makes {per_hour} bolts an hour, {hours} hours a day, for {days} "
                 "days. How many bolts does it make?"
             )
-            answer = per_hour * hours * days
+            answer, expression = per_hour * hours * days, f"{per_hour} * {hours} * {days}"
         else:
             shelves, per_shelf = rng.randint(12, 99), rng.randint(100, 999)
             bought = rng.randint(100, shelves * per_shelf - 100)
@@ -579,7 +579,21 @@ class CalculatorEnv(ToolEnv):
                 f"It puts them equally on {shelves} shelves. How many books are on each shelf?"
             )
             answer = per_shelf
+            expression = f"({shelves * per_shelf - bought} + {bought}) / {shelves}"
+        self.expression = expression
         return question, [str(answer)], [tools.calculator_tool()]
+
+    def demonstration(self, mistake_rate=0.0, rng=None) -> list[str]:
+        """This episode's assistant turns (after reset), for sft.py: the calculator on the
+        question's numbers, then the value it returns; with probability `mistake_rate` a
+        number is miscopied into the expression, and its wrong value answered."""
+        rng = rng or random.Random(0)
+        expression = self.expression
+        if rng.random() < mistake_rate:
+            number = rng.choice(re.findall(r"\d+", expression))
+            expression = expression.replace(number, str(miscopied(int(number), rng)), 1)
+        call = format_tool_call("calculator", {"expression": expression})
+        return [call, f"<answer>{tools.calculate(expression)}</answer>"]
 
 # -----------------------------------------------------------------------------
 # Computation: answers that need exact arithmetic, with the sandboxed `python` tool

@@ -36,7 +36,6 @@ from collections import defaultdict
 from pathlib import Path
 
 from tqdm import tqdm
-from transformers import AutoTokenizer
 
 import envs
 import rollout
@@ -246,7 +245,7 @@ def make_sampler(kind, model_name, max_total_tokens=4096, vllm_memory=0.5):
         sampler = VLLMSampler(
             path, gpu_memory_utilization=vllm_memory, max_model_len=max_total_tokens
         )
-        return sampler, AutoTokenizer.from_pretrained(path)
+        return sampler, models.load_tokenizer(path)
     device = common.autodetect_device_type()
     dtype = common.autodetect_dtype(device)
     model, tokenizer = models.load_model(model_name, device=device, dtype=dtype)
@@ -260,7 +259,7 @@ def get_args(argv=None):
     add = parser.add_argument
     # Models and sampling
     add("--model", action="append", required=True,
-        help="HF name, checkpoint dir, 'tiny' or 'tiny-deep'; repeat")
+        help="HF name, checkpoint dir or .gguf file, 'tiny', 'tiny-deep' or 'smollm2-135m'; repeat")
     add("--sampler", choices=["torch", "vllm"], help="default: vllm on a GPU, else torch")
     add("--vllm_memory", type=float, default=0.5,
         help="--sampler vllm on GPUs: its share of the card's memory")

@@ -627,7 +627,8 @@ def main(argv=None):
         description="Serve a policy behind an OpenAI-compatible endpoint."
     )
     parser.add_argument(
-        "--model", required=True, help="Hub name, local checkpoint directory or 'tiny'"
+        "--model", required=True,
+        help="Hub name, local checkpoint directory or .gguf file, 'tiny' or 'smollm2-135m'"
     )
     parser.add_argument(
         "--host", default="127.0.0.1", help="the address to bind (default: this machine only)"

@@ -87,8 +87,8 @@ def get_args(argv=None):
     add = parser.add_argument
     # Model
     add("--model",
-        help="Hub name, local checkpoint directory, 'tiny' or 'tiny-deep' (default: tiny, or "
-        "the env's)")
+        help="Hub name, local checkpoint directory or .gguf file, 'tiny', 'tiny-deep' or "
+        "'smollm2-135m' (a real pretrained model, offline; default: tiny, or the env's)")
     add("--device", choices=["cpu", "cuda"], help="default: cuda if available")
     add("--lora_rank", type=int, default=0,
         help="train rank-R LoRA adapters on the policy, not its weights (0: off)")

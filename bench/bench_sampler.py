@@ -4,7 +4,8 @@ Benchmark: TorchSampler against transformers' model.generate and VLLMSampler, in
 Same model, same 64 prompts of 20-300 tokens (left-padded for generate), same sampling (temperature 1,
 no top-k, no top-p), one run, the methods alternating. The model is the tiny one, or with --shape
 qwen0.5b a random one with Qwen2.5-0.5B's widths (896 wide, 14 heads of 64, 2 key/value heads, MLP
-4864) and --layers layers, where a token's work is real matmuls. Four workloads:
+4864) and --layers layers, where a token's work is real matmuls, or with --shape smollm2-135m the real
+pretrained SmolLM2-135M-Instruct (30 layers, 576 wide; requirements-smollm2.txt). Four workloads:
   - fixed length: no stop tokens, every row writes exactly max_new_tokens. Pure engine speed.
   - rollout turn: 14 token ids stop a row (~1.3% of the vocabulary, so rows end at different times,
     as agent turns do). generate keeps computing finished rows until the last one stops;
@@ -24,14 +25,17 @@ machine are steadier that way):
     python bench/bench_sampler.py
     python bench/bench_sampler.py --shape qwen0.5b --layers 4 --num-prompts 16 --max-new-tokens 32
     python bench/bench_sampler.py --batch-size 32 --threads 2
+    python bench/bench_sampler.py --shape smollm2-135m --num-prompts 32 --max-new-tokens 64 --threads 2 \
+        --workloads "fixed length"                              # docs/performance.md, a real model
     python bench/bench_sampler.py --device cuda
 
 At Qwen2.5-0.5B's exact shape on a GPU (bench/gpu_speed.sh runs this): --shape qwen0.5b --layers 24
 --vocab-size 151936 --dtype bfloat16 --prompt-lengths 200 400 --num-prompts 64 512 --max-new-tokens 256 128
 --workloads "fixed length" --generate-static (model.generate with a static cache, which transformers compiles
 on CUDA) --baseline-sampler FILE (the TorchSampler of another sampler.py, an earlier commit's, timed beside
-this one). Each size also prints the memory roofline: the tokens/s if a decode step only read the weights and
-the KV cache once, at the bandwidth a large copy reaches on the device.
+this one). Each size also prints the roofline, the lesser of two ceilings measured in the same run: memory (the
+tokens/s if a decode step only read the weights and the KV cache once, at the bandwidth a large copy reaches on
+the device) and compute (a decode step's 2 x parameters x rows FLOPs at the rate a large matmul reaches).
 """
 
 import argparse
@@ -61,7 +65,8 @@ WORKLOADS = {
 }
 
 parser = argparse.ArgumentParser(description="TorchSampler vs model.generate vs VLLMSampler, tokens/s")
-parser.add_argument("--shape", default="tiny", choices=["tiny", "qwen0.5b"], help="qwen0.5b: Qwen2.5-0.5B's widths")
+parser.add_argument("--shape", default="tiny", choices=["tiny", "qwen0.5b", "smollm2-135m"],
+                    help="qwen0.5b: Qwen2.5-0.5B's widths; smollm2-135m: the real pretrained model")
 parser.add_argument("--layers", type=int, default=4, help="layers of the qwen0.5b shape (the real model has 24)")
 parser.add_argument("--vocab-size", type=int, default=None,
                     help="vocabulary of the qwen0.5b shape (Qwen2.5's: 151936; default: the tiny tokenizer's)")
@@ -95,7 +100,9 @@ if args.shape == "qwen0.5b":  # random weights are enough for speed, built on th
         model = Qwen2ForCausalLM(config).to(dtype).eval()
     model_path = tempfile.mkdtemp(prefix="bench-qwen0.5b-")  # for vLLM, which loads the same model from disk
 else:
-    model = load_model(model_path, device=args.device, dtype=dtype)[0]
+    if args.shape == "smollm2-135m":
+        model_path = resolve_model_path(args.shape)
+    model, tokenizer = load_model(model_path, device=args.device, dtype=dtype)
 use_vllm = importlib.util.find_spec("vllm") is not None and not args.no_vllm
 vllm_sampler = None
 if use_vllm:
@@ -189,6 +196,23 @@ def memory_roofline(num_prompts, max_new_tokens, mean_prompt_length):
     return num_prompts / step, step, bandwidth
 
 
+def compute_roofline(num_prompts):
+    """Tokens/s if a decode step were its matmuls alone (2 x parameters FLOPs a row) at the rate a large matmul
+    reaches on this device: the ceiling of a compute-bound decoder (a CPU at 32 rows)."""
+    size = 4096 if args.device == "cuda" else 1024
+    a = torch.randn(size, size, dtype=dtype, device=args.device)
+    seconds = []
+    for _ in range(5):
+        synchronize()
+        start = time.perf_counter()
+        a @ a
+        synchronize()
+        seconds.append(time.perf_counter() - start)
+    peak = 2 * size**3 / min(seconds[1:])  # FLOP/s
+    step = 2 * sum(parameter.numel() for parameter in model.parameters()) * num_prompts / peak
+    return num_prompts / step, peak
+
+
 print(f"{args.shape} model ({sum(p.numel() for p in model.parameters()) / 1e6:.1f}M parameters, vocabulary "
       f"{model.config.vocab_size}, {args.dtype}, {args.device}), prompts of {args.prompt_lengths[0]}-"
       f"{args.prompt_lengths[1]} tokens, TorchSampler batch size {args.batch_size or 'all'}, "
@@ -234,3 +258,7 @@ for num_prompts, max_new_tokens in zip(args.num_prompts, args.max_new_tokens):
     roofline, step, bandwidth = memory_roofline(num_prompts, max_new_tokens, statistics.fmean(lengths))
     print(f"{'':13s} memory roofline {roofline:7.0f} tokens/s ({1000 * step:.2f} ms a step: weights and KV cache "
           f"read once at {bandwidth / 1e9:.0f} GB/s)", flush=True)
+    compute, peak = compute_roofline(num_prompts)
+    decides = "compute" if compute < roofline else "memory"
+    print(f"{'':13s} compute roofline {compute:7.0f} tokens/s (a matmul's {peak / 1e9:.0f} GFLOP/s); the "
+          f"roofline is the lesser, {min(roofline, compute):.0f} tokens/s ({decides} decides)", flush=True)

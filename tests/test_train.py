@@ -237,7 +237,7 @@ def test_environment_tokens_get_no_gradient(tiny_batch):
     (["--vllm_sleep"], "--vllm_sleep frees GPU memory: it needs --sampler vllm on a GPU"),
     (["--sampler", "vllm", "--vllm_sleep", "--device", "cpu"], "vLLM has no sleep mode on a CPU"),
     (["--lora_rank", "-1"], "--lora_rank must be 0 (off) or a positive rank"),
-    (["--env", "calculator"], "--env calculator has no demonstrations to warm up: pass --warmup_steps 0"),
+    (["--env", "math", "--data", "gsm8k"], "--env math has no demonstrations to warm up: pass --warmup_steps 0"),
     (["--algo", "gigpo", "--kl", "in_reward"], "use --kl loss with --algo gigpo"),
     # --agent's program plays its own episodes: the flags of --env's rollout would be ignored without a word
     (["--agent", "python a.py", "--max_turns", "3"], "--max_turns shape --env's rollout, which --agent replaces"),
