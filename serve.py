@@ -17,6 +17,14 @@ tool_choice "required" or a named function forces their opening (opening_for). A
 value gets a 400 naming it, whatever fails later a 500 (OpenAI's error body). Under
 train.py --agent the trainer's temperature (and top_p 1) win: the update scores at those.
 
+`POST /v1/responses` (the Responses API, the OpenAI Agents SDK's default model) becomes a
+chat completion and back (the last section): `input` as text or items (messages, function
+calls, their outputs), `instructions`, function `tools`, `tool_choice`,
+`max_output_tokens`, `temperature`, `top_p`, `stream` (OpenAI's events);
+`previous_response_id` continues a response of the episode, kept while it runs (whatever
+`store` says). Built-in tools, `include`, `reasoning`, `background`, `conversation`,
+`prompt` and structured `text` get a 400.
+
 Token in, token out through a text API: encoding the request's text again would not
 give the sampled tokens (rollout.py's docstring). So each conversation keeps its tokens
 (a rollout.Trajectory); a request whose messages extend a conversation's history
@@ -82,6 +90,9 @@ class RequestError(ValueError):
 NEUTRAL = {
     "n": 1, "presence_penalty": 0, "frequency_penalty": 0, "repetition_penalty": 1,
     "logit_bias": {}, "top_k": -1, "min_p": 0, "best_of": 1, "top_logprobs": 0,
+    # the Responses API's (/v1/responses)
+    "include": [], "reasoning": {}, "background": False, "conversation": None, "prompt": None,
+    "text": {"format": {"type": "text"}},
 }
 
 
@@ -224,6 +235,7 @@ class Server:
         # play's running episodes, {id: (its step's sampling seed, its key)}; its calls
         self.episodes, self.plays = {}, 0
         self.refusals = {}  # their refused requests, {id: ["400 why", ...]}, for its log
+        self.responses = {}  # /v1/responses', {episode: {id: its input and output items}}
         self.sampling = threading.Lock()  # held while the sampler thread samples a batch
         self.http = HTTPServer((host, port), Handler)
         self.http.endpoint, self.url = self, f"http://{host}:{self.http.server_address[1]}"
@@ -431,6 +443,7 @@ class Server:
                 trajectories = [c.trajectory for c in self.conversations
                                 if c.episode == episode and c.trajectory.num_turns]
                 self.conversations = [c for c in self.conversations if c.episode != episode]
+                self.responses.pop(episode, None)
         if returncode is None:
             return f"ran past {timeout_s}s and was killed"
         last_line = (output.strip().splitlines() or [""])[-1]
@@ -549,10 +562,14 @@ class Handler(BaseHTTPRequestHandler):
             except ValueError as problem:  # no length, not UTF-8, not JSON
                 raise RequestError(
                     f"the body is not UTF-8 JSON: {problem}", code="invalid_json") from problem
-            if path != "/chat/completions":
+            if path not in ("/chat/completions", "/responses"):
                 raise RequestError(f"no route POST {self.path}", code="not_found", status=404)
             if not isinstance(request, dict):
                 raise RequestError("the body must be a JSON object", code="invalid_json")
+            if path == "/responses":
+                reply = respond(self.server.endpoint, episode, request)
+                reply = response_events(reply) if request.get("stream") else reply
+                return self.send_json(200, reply)
             status, reply = 200, self.server.endpoint.complete(episode, request)
             if request.get("stream"):
                 reply = events(reply, (request.get("stream_options") or {}).get("include_usage"))
@@ -620,6 +637,118 @@ def events(completion, include_usage):
 def error(message, param=None, code=None, kind="invalid_request_error"):
     """OpenAI's error body."""
     return {"error": {"message": message, "type": kind, "param": param, "code": code}}
+
+
+# -----------------------------------------------------------------------------
+# The Responses API (the Agents SDK's default model): a request becomes a chat completion
+# (Server.complete: recorded, batched, token-exact as any), its reply a Response
+
+
+def responses_to_chat(body, items):
+    """A Responses request, after `items` (its previous response's input and output), as
+    a chat completion request; and all its items. A message and the function calls after
+    it are one assistant turn, as chat's tool_calls are."""
+    new, tools = body.get("input"), body.get("tools") or []
+    new = [{"role": "user", "content": new}] if isinstance(new, str) else new
+    if not isinstance(new, list):
+        raise RequestError(f"input={new!r:.200}: must be a string or a list of items", "input")
+    instructions, items = body.get("instructions"), items + new
+    messages = [{"role": "system", "content": instructions}] if instructions else []
+    for item in items:
+        item = item if isinstance(item, dict) else {"type": item}  # not an item: refused below
+        kind, text = item.get("type", "message"), item.get("content", item.get("output"))
+        if isinstance(text, list):  # input_text/output_text parts: chat's, read_messages joins them
+            text = [{**part, "type": "text"} if isinstance(part, dict) and part.get("type") in (
+                "input_text", "output_text") else part for part in text]
+        role = "system" if item.get("role") == "developer" else item.get("role")
+        if kind == "message" and role in ("user", "system", "assistant"):
+            messages.append({"role": role, "content": text})
+        elif kind == "function_call_output":
+            messages.append({"role": "tool", "tool_call_id": item.get("call_id"), "content": text})
+        elif kind == "function_call":
+            if not messages or messages[-1]["role"] != "assistant":
+                messages.append({"role": "assistant", "content": ""})
+            call = {"name": item.get("name"), "arguments": item.get("arguments")}
+            messages[-1].setdefault("tool_calls", []).append(
+                {"id": item.get("call_id"), "function": call})
+        else:
+            raise RequestError(
+                f"input: cannot read {item!r:.200} (this endpoint reads user, system, developer "
+                "and assistant messages, function_call and function_call_output items)", "input")
+    if not isinstance(tools, list) or any(
+            not isinstance(tool, dict) or tool.get("type") != "function" for tool in tools):
+        raise RequestError(f"tools={tools!r:.200}: only function tools are served here", "tools",
+                           "unsupported_value")
+    choice = body.get("tool_choice")
+    named = isinstance(choice, dict) and choice.get("type") == "function"
+    return {
+        "messages": messages, "tool_choice": {"function": choice} if named else choice,
+        "tools": [{"type": "function", "function": {
+            key: value for key, value in tool.items() if key != "type"}} for tool in tools],
+        "max_tokens": checked(body, "max_output_tokens", None, 1, math.inf, int),
+        **{field: body.get(field) for field in ("temperature", "top_p", *NEUTRAL)},
+    }, items
+
+
+def chat_to_response(completion):
+    """A chat completion as a Response: a message item (its text, if any, or no call), then
+    function_call items; "incomplete" if cut by max_output_tokens, as OpenAI's."""
+    [choice], usage = completion["choices"], completion["usage"]
+    message, cut = choice["message"], choice["finish_reason"] == "length"
+    status, calls = "incomplete" if cut else "completed", message.get("tool_calls", [])
+    text = {"type": "output_text", "text": message["content"] or "", "annotations": []}
+    output = [{"type": "message", "id": f"msg_{uuid.uuid4().hex}", "status": status,
+               "role": "assistant", "content": [text]}] if text["text"] or not calls else []
+    output += [{"type": "function_call", "id": f"fc_{call['id']}", "call_id": call["id"],
+                "status": "completed", **call["function"]} for call in calls]
+    return {
+        "id": f"resp_{uuid.uuid4().hex}", "object": "response", "model": completion["model"],
+        "created_at": completion["created"], "status": status, "output": output,
+        "incomplete_details": {"reason": "max_output_tokens"} if cut else None,
+        "usage": {"input_tokens": usage["prompt_tokens"],
+                  "output_tokens": usage["completion_tokens"],
+                  "total_tokens": usage["total_tokens"]},
+    }
+
+
+def respond(server, episode, body):
+    """POST /v1/responses: the Response; the episode's responses keep their items while it
+    runs (store true or false alike), for previous_response_id to continue."""
+    kept, previous = server.responses.get(episode, {}), body.get("previous_response_id")
+    if previous is not None and str(previous) not in kept:
+        raise RequestError(f"previous_response_id={previous!r}: no response of this episode "
+                           "has it", "previous_response_id", "previous_response_not_found")
+    chat, items = responses_to_chat(body, kept.get(str(previous), []))
+    response = chat_to_response(server.complete(episode, chat))
+    server.responses.setdefault(episode, {})[response["id"]] = items + response["output"]
+    return response
+
+
+def response_events(response):
+    """A Response as OpenAI streams one (Server-Sent Events), though it was sampled whole:
+    created, in progress, each output item's events, then completed (or incomplete)."""
+    begun = {"response": {**response, "status": "in_progress", "output": []}}
+    events = [("created", begun), ("in_progress", begun)]
+    for index, item in enumerate(response["output"]):
+        at = {"item_id": item["id"], "output_index": index}
+        if item["type"] == "message":
+            [part], at = item["content"], {**at, "content_index": 0}
+            empty, middle = {"content": []}, [
+                ("content_part.added", {**at, "part": {**part, "text": ""}}),
+                ("output_text.delta", {**at, "delta": part["text"], "logprobs": []}),
+                ("output_text.done", {**at, "text": part["text"], "logprobs": []}),
+                ("content_part.done", {**at, "part": part})]
+        else:
+            empty, middle = {"arguments": ""}, [
+                ("function_call_arguments.delta", {**at, "delta": item["arguments"]}),
+                ("function_call_arguments.done", {**at, "arguments": item["arguments"]})]
+        events += [("output_item.added", {"output_index": index,
+                                          "item": {**item, **empty, "status": "in_progress"}}),
+                   *middle, ("output_item.done", {"output_index": index, "item": item})]
+    events.append((response["status"], {"response": response}))
+    return "".join(
+        f"data: {json.dumps({'type': f'response.{kind}', **fields, 'sequence_number': n})}\n\n"
+        for n, (kind, fields) in enumerate(events)).encode()
 
 
 def main(argv=None):

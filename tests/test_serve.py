@@ -469,6 +469,151 @@ def test_logprobs_are_the_recorded_ones_in_openai_shape_and_top_logprobs_are_ref
     server.close()
 
 
+# The Responses API (POST /v1/responses), the Agents SDK's default model
+CALCULATOR_FLAT = [{"type": "function", **schema["function"]} for schema in CALCULATOR]  # Responses' shape
+INSTRUCTIONS, QUESTION = OPENING[0]["content"], OPENING[1]["content"]
+MESSAGE_EVENTS = ["response.output_item.added", "response.content_part.added", "response.output_text.delta",
+                  "response.output_text.done", "response.content_part.done", "response.output_item.done"]
+
+
+def test_responses_items_previous_response_id_and_streams_extend_one_token_exact_trajectory():
+    tokenizer = tiny_tokenizer()
+    end = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    texts = ["Let me compute.\n" + TOOL_CALL, *REPLIES[1:]]  # text and a tool call, "Let me think.", an answer
+    replies = [(tokenizer.encode(text, add_special_tokens=False) + [end], "stop") for text in texts]
+    sampler = Recording(ScriptedSampler(tokenizer, replies))
+    server, client = serving(sampler, tokenizer)
+    asked = {"model": "m", "instructions": INSTRUCTIONS, "tools": CALCULATOR_FLAT}
+    with client.responses.stream(**asked, input=QUESTION) as stream:  # the client's own stream reader
+        streamed = list(stream)
+        first = stream.get_final_response()
+    [message, call] = first.output  # the text before the call, then the call, as two items
+    assert (message.type, first.output_text, first.status) == ("message", "Let me compute.", "completed")
+    assert (call.type, call.name, json.loads(call.arguments)) == ("function_call", "calculator",
+                                                                 {"expression": "3 + 4"})
+    assert [event.type for event in streamed] == [
+        "response.created", "response.in_progress", *MESSAGE_EVENTS, "response.output_item.added",
+        "response.function_call_arguments.delta", "response.function_call_arguments.done",
+        "response.output_item.done", "response.completed"]
+    assert [event.snapshot for event in streamed if event.type.endswith("delta")] == [  # what the reader built
+        "Let me compute.", call.arguments]
+    answer = {"type": "function_call_output", "call_id": call.call_id, "output": "7"}
+    second = client.responses.create(**asked, previous_response_id=first.id, input=[answer])
+    assert (second.output_text, second.status) == (REPLIES[1], "completed")
+    assert second.usage.output_tokens == len(replies[1][0])
+    assert second.usage.total_tokens == second.usage.input_tokens + second.usage.output_tokens
+    # The whole item list sent again, as the Agents SDK does by default, streamed:
+    items = [{"role": "user", "content": [{"type": "input_text", "text": QUESTION}]},
+             *[item.to_dict() for item in first.output], answer, *[item.to_dict() for item in second.output],
+             {"role": "user", "content": "Please answer."}]
+    events = list(client.responses.create(**asked, input=items, stream=True))
+    assert [event.type for event in events] == ["response.created", "response.in_progress", *MESSAGE_EVENTS,
+                                                "response.completed"]
+    assert events[4].delta == REPLIES[2] and events[-1].response.output_text == REPLIES[2]
+    assert [event.sequence_number for event in events] == list(range(len(events)))
+    [conversation] = conversations_of(server, "")
+    server.close()
+    trajectory = conversation.trajectory
+    # The template's rendering of the conversation with the sampled texts, the tools in chat's shape.
+    rendered = render(tokenizer, OPENING + [{"role": "assistant", "content": texts[0]},
+                                            {"role": "tool", "content": "7"},
+                                            {"role": "assistant", "content": texts[1]},
+                                            {"role": "user", "content": "Please answer."},
+                                            {"role": "assistant", "content": texts[2]}], CALCULATOR)
+    assert trajectory.token_ids == tokenizer.encode(rendered[:-1], add_special_tokens=False)
+    assert trajectory.prompt_length == len(encode_chat(tokenizer, OPENING, CALCULATOR, add_generation_prompt=True))
+    mask = torch.tensor(trajectory.action_mask)
+    assert torch.tensor(trajectory.token_ids)[mask == 1].tolist() == [t for ids, _ in replies for t in ids]
+    assert trajectory.num_turns == 3 and trajectory.turn_infos[0]["tool_calls"] == 1
+
+
+def test_a_responses_conversation_holds_exactly_what_the_torch_sampler_returned(tiny):
+    model, tokenizer = tiny
+    sampler = Recording(TorchSampler(model))
+    server, client = serving(sampler, tokenizer, max_new_tokens=12)
+    asked = {"model": "m", "instructions": INSTRUCTIONS, "tools": CALCULATOR_FLAT}
+    first = client.responses.create(**asked, input=QUESTION)
+    second = client.responses.create(**asked, input="Go on 0.", previous_response_id=first.id)
+    [*_, completed] = client.responses.create(**asked, input="Go on 1.", previous_response_id=second.id,
+                                              stream=True)
+    [conversation] = conversations_of(server, "")
+    server.close()
+    trajectory, position = conversation.trajectory, 0
+    end_of_turn = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    for turn, ((prompts, generations), reply) in enumerate(zip(sampler.calls, [first, second, completed.response])):
+        [prompt], [generation] = prompts, generations
+        assert prompt == trajectory.token_ids[:len(prompt)]  # the history as sampled: never re-encoded
+        if turn:  # what came between two turns: the closing <|im_end|> of a cut turn and the new message, mask 0
+            closing = [] if sampler.calls[turn - 1][1][0].finish_reason == "stop" else [end_of_turn]
+            between = closing + observation_tokens(tokenizer, [{"role": "user", "content": f"Go on {turn - 1}."}])
+            assert prompt[position:] == between and trajectory.action_mask[position:len(prompt)] == [0] * len(between)
+        end = len(prompt) + len(generation.token_ids)
+        assert trajectory.token_ids[len(prompt):end] == generation.token_ids
+        assert trajectory.logprobs[len(prompt):end] == generation.logprobs
+        assert trajectory.action_mask[len(prompt):end] == [1] * len(generation.token_ids)
+        text = tokenizer.decode([token for token in generation.token_ids if token != end_of_turn])
+        assert reply.output_text == text and reply.usage.output_tokens == len(generation.token_ids)
+        assert reply.status == ("completed" if generation.finish_reason == "stop" else "incomplete")
+        position = end
+    assert position == len(trajectory.token_ids)
+
+
+RESPONSES_REFUSED = [{"tools": [{"type": "web_search"}]}, {"tools": "calculator"},
+                     {"include": ["file_search_call.results"]}, {"reasoning": {"effort": "high"}},
+                     {"background": True}, {"conversation": "conv_1"},
+                     {"text": {"format": {"type": "json_object"}}}, {"previous_response_id": "resp_none"},
+                     {"input": 5}, {"input": [{"type": "reasoning", "summary": []}]},
+                     {"input": [{"role": "tool", "content": "7"}]},
+                     {"max_output_tokens": 0}, {"top_logprobs": 2}, {"temperature": 3},
+                     {"tool_choice": {"type": "web_search_preview"}}]
+
+
+def test_responses_refuse_what_the_samplers_cannot_honour_with_a_400_naming_it():
+    tokenizer = tiny_tokenizer()
+    sampler = Recording(ScriptedSampler(tokenizer, scripted_replies(tokenizer)))
+    server, client = serving(sampler, tokenizer)
+    for fields in RESPONSES_REFUSED:
+        field = next(iter(fields))
+        status, reply = post(server, {"model": "m", "input": QUESTION, **fields}, "/v1/responses")
+        problem = reply["error"]
+        assert (status, problem["param"], problem["type"]) == (400, field, "invalid_request_error"), reply
+        assert problem["message"].startswith(field), reply
+    image = {"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}
+    status, reply = post(server, {"model": "m", "input": [image]}, "/v1/responses")
+    assert status == 400 and "reads text only" in reply["error"]["message"]
+    assert sampler.calls == []
+    # Kept within its episode: store true or false, another episode's id is unknown.
+    episode = openai.OpenAI(base_url=f"{server.url}/episodes/7/v1", api_key="none", max_retries=0)
+    kept = episode.responses.create(model="m", input=QUESTION, store=True)
+    with pytest.raises(openai.BadRequestError, match=kept.id):
+        client.responses.create(model="m", input="Go on.", previous_response_id=kept.id)
+    # max_output_tokens, temperature and top_p reach the sampler; a named function forces the call's opening.
+    reply = client.responses.create(model="m", input=QUESTION, store=False, max_output_tokens=3, temperature=0.3,
+                                    top_p=0.9, tools=CALCULATOR_FLAT,
+                                    tool_choice={"type": "function", "name": "calculator"})
+    assert (reply.status, reply.incomplete_details.reason, reply.usage.output_tokens) == (
+        "incomplete", "max_output_tokens", 3)
+    assert (sampler.options[-1]["temperature"], sampler.options[-1]["top_p"]) == (0.3, 0.9)
+    opening = tokenizer.encode('<tool_call>\n{"name": "calculator", "arguments": ', add_special_tokens=False)
+    assert sampler.calls[-1][0][0][-len(opening):] == opening
+    server.close()
+
+
+def test_a_responses_program_plays_one_trajectory_an_episode_and_its_responses_go_with_it(tmp_path):
+    tokenizer = tiny_tokenizer()
+    server, _ = serving(ScriptedSampler(tokenizer, scripted_replies(tokenizer)), tokenizer)
+    chained = program(tmp_path, "chained", """import openai
+client = openai.OpenAI(max_retries=0)
+first = client.responses.create(model="m", input="Q", tool_choice="none")
+client.responses.create(model="m", input="Go on.", previous_response_id=first.id, tool_choice="none")
+print('{"reward": 1.0}')
+""")
+    [trajectory] = server.play(chained, [0], group_size=1, timeout_s=60)
+    assert trajectory.num_turns == 2 and trajectory.info["segment"] == 0 and trajectory.score == 1.0
+    assert not server.responses  # forgotten when play ended the episode
+    server.close()
+
+
 def test_64_concurrent_conversations_complete_in_shared_sampler_calls(tiny):
     model, tokenizer = tiny
     sampler = Recording(TorchSampler(model))
@@ -667,8 +812,12 @@ class Continuing(ScriptedSampler):
                     reason="NANOAGENT_AGENTS_PYTHON unset (.ci/run sets it); CI always runs these")
 # smolagents writes a call back as its own text ("Calling tools: [...]"), an assistant turn the
 # client wrote: each of its turns starts a segment (serve.py's docstring), token-exact all the same.
+# The Agents SDK's default model speaks the Responses API: whole, streamed, chained by previous_response_id.
 @pytest.mark.parametrize("agent, answer, segments", [("langchain_agent", "The answer is 7.", 1),
                                                      ("openai_agents_chat", "The answer is 7.", 1),
+                                                     ("openai_agents_responses", "The answer is 7.", 1),
+                                                     ("openai_agents_responses --streamed", "The answer is 7.", 1),
+                                                     ("openai_agents_responses --chained", "The answer is 7.", 1),
                                                      ("pydantic_ai_agent", "The answer is 7.", 1),
                                                      ("smolagents_agent", FINAL_ANSWER, 2)])
 def test_agents_written_with_the_frameworks_play_token_exact_episodes(agent, answer, segments):
@@ -678,9 +827,11 @@ def test_agents_written_with_the_frameworks_play_token_exact_episodes(agent, ans
                for text in (TOOL_CALL, answer)]  # a call of the calculator, then the answer
     sampler = Recording(Continuing(tokenizer, replies))
     server, _ = serving(sampler, tokenizer, max_total_tokens=100_000)
-    command = f"{AGENTS_PYTHON} {FRAMEWORK_AGENTS / agent}.py"
+    name, *flags = agent.split()
+    command = f"{AGENTS_PYTHON} {FRAMEWORK_AGENTS / name}.py {' '.join(flags)}"
     trajectories = server.play(command, [0], group_size=1, timeout_s=120)
     server.close()
+    assert not server.responses  # forgotten with their episode
     assert [t.info["segment"] for t in trajectories] == list(range(segments))
     assert {t.score for t in trajectories} == {1.0} and sum(t.num_turns for t in trajectories) == 2
     generations = [generation for _, batch in sampler.calls for generation in batch]
