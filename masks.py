@@ -277,10 +277,13 @@ def states_before_turns(messages):
 
 
 def anchor_groups(trajectories):
-    """An id per turn of each trajectory: a group's turns that met one state share it."""
+    """An id per turn of each trajectory: a group's turns that met one state share it. A
+    turn's state is its info["state"] where given (an --agent program's report, serve.py),
+    else states_before_turns."""
     ids = {}
-    return [ids.setdefault((t.group_id, state), len(ids))
-            for t in trajectories for state in states_before_turns(t.messages)]
+    return [ids.setdefault((t.group_id, info.get("state", state)), len(ids))
+            for t in trajectories
+            for info, state in zip(t.turn_infos, states_before_turns(t.messages))]
 
 
 def gigpo_advantages(trajectories, gamma, omega=1.0, scale_by_std=True):

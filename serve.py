@@ -42,16 +42,23 @@ Episodes (train.py --agent): `play` runs the user's program once per episode, in
 session of its own, with its own base URL ($OPENAI_BASE_URL = .../episodes/<id>/v1),
 the task seed ($NANOAGENT_TASK_SEED) and the episode's id ($NANOAGENT_EPISODE_ID) in
 its environment. Its last line of output is its reward, {"reward": 1.0, "success":
-true}, put on the last token of each of its segments. A program that crashes, hangs
-past the time-out or reports no reward loses its group for the step; the log says why.
+true}, each segment's score, on its last token. For per-turn credit the line may also
+list the turns, in the order their replies came (across segments): "turn_rewards" (on
+each turn's last token instead, the last holding the outcome, as an env's) and "states"
+(any JSON, what each turn acted on: its GiGPO anchor group's key, masks.anchor_groups).
+A segment's last turn also carries the rewards of the later turns of other segments
+(undiscounted): a turn's return is the episode's from it on. Not per request: a framework sends its own, and a turn's reward comes after its reply.
+A program that crashes, hangs past the time-out, reports no reward or turns that are
+not its episode's loses its group for the step; the log says why.
 When it ends or times out, every process it started is killed, wherever it moved (a new
 session, a double fork: all carry a token in their environment, as in nanoagent/sandbox.py;
-one that also drops its environment escapes), its output read a second more at most, and
+one that also hides its environment escapes), its output read a second more at most, and
 its episode closed: a late request gets a 404, a queued turn or one sampled as it ended is
 dropped, and nothing is sampled during the update.
 """
 
 import argparse
+import itertools
 import json
 import math
 import os
@@ -234,6 +241,7 @@ class Server:
         self.conversations, self.lock, self.turns = [], threading.Lock(), queue.Queue()  # of Turn
         # play's running episodes, {id: (its step's sampling seed, its key)}; its calls
         self.episodes, self.plays = {}, 0
+        self.order = itertools.count()  # numbers the turns as recorded, all episodes'
         self.refusals = {}  # their refused requests, {id: ["400 why", ...]}, for its log
         self.responses = {}  # /v1/responses', {episode: {id: its input and output items}}
         self.sampling = threading.Lock()  # held while the sampler thread samples a batch
@@ -408,6 +416,7 @@ class Server:
         trajectory.num_turns += 1
         calls = tools.parse_tool_calls(text) if parse else []
         trajectory.turn_infos.append({
+            "order": next(self.order),  # a report's turns are in this order (play_one)
             "tool_calls": len(calls), "invalid_calls": sum(bool(c.error) for c in calls),
             "format_error": False, "calls": [asdict(call) for call in calls],
         })
@@ -453,12 +462,16 @@ class Server:
             report = None
         reward = report.get("reward") if isinstance(report, dict) else None
         reward = float(reward) if isinstance(reward, (int, float)) else None
-        if returncode != 0 or reward is None or not trajectories:
-            why = (
-                f"exit code {returncode}: {errors.strip()[-300:]}" if returncode != 0
-                else "no reward reported" if reward is None
-                else "no request of it was answered"
-            )
+        turns = sorted(  # (trajectory, index) of each turn, as recorded
+            ((t, k) for t in trajectories for k in range(t.num_turns)),
+            key=lambda turn: turn[0].turn_infos[turn[1]]["order"])
+        why = (
+            f"exit code {returncode}: {errors.strip()[-300:]}" if returncode != 0
+            else "no reward reported" if reward is None
+            else "no request of it was answered" if not trajectories
+            else misreported(report, len(turns))
+        )
+        if why:
             refused = self.refusals[episode]
             why += (
                 f"; {len(refused)} requests refused, the first: {refused[0]}" if refused else ""
@@ -472,6 +485,16 @@ class Server:
                 tool_calls=sum(info["tool_calls"] for info in trajectory.turn_infos),
                 invalid_calls=sum(info["invalid_calls"] for info in trajectory.turn_infos),
             )
+        turn_rewards, states = report.get("turn_rewards"), report.get("states")
+        for index, (trajectory, k) in enumerate(turns):
+            if turn_rewards is not None:
+                trajectory.turn_rewards[k] = float(turn_rewards[index])
+                # A segment's returns end at its last turn, the episode's do not: that turn
+                # also carries what the later turns of other segments earned (undiscounted)
+                if k == trajectory.num_turns - 1:
+                    trajectory.turn_rewards[k] += sum(map(float, turn_rewards[index + 1:]))
+            if states is not None:  # as text: a dictionary key
+                trajectory.turn_infos[k]["state"] = json.dumps(states[index], sort_keys=True)
         return trajectories
 
     def play(self, program, seeds, group_size, timeout_s, sample_seed=0):
@@ -513,6 +536,17 @@ class Server:
         self.http.shutdown()
         self.http.server_close()
         self.turns.put(None)
+
+
+def misreported(report, turns):
+    """Why a report's turn_rewards or states is not a list of one entry a turn, or None."""
+    for key, kind, name in (("turn_rewards", (int, float), "numbers"),
+                            ("states", object, "states")):
+        given = report.get(key)
+        if given is not None and not (isinstance(given, list) and len(given) == turns
+                                      and all(isinstance(entry, kind) for entry in given)):
+            return f"its {key} must be a list of {turns} {name}, one a turn: {given!r:.100}"
+    return None
 
 
 def run_program(command, environment, timeout_s):

@@ -233,8 +233,6 @@ def get_args(argv=None):
           f"--kl in_reward needs per-token credit: use --kl loss with --algo {args.algo}")
     check(envs.ENVS[args.env] not in envs.DATA_ENVS or args.data,
           f"--env {args.env} needs --data (a Hub name or a local file)")
-    check(args.algo != "gigpo" or not args.agent,
-          "--algo gigpo needs each turn's observation: --agent records none")
     check(not args.dr_grpo or args.algo in ("grpo", "gigpo"),
           "--dr_grpo changes GRPO's advantages: use --algo grpo or gigpo")
     check(args.warmup_steps == 0 or args.agent or hasattr(envs.ENVS[args.env], "demonstration"),

@@ -13,7 +13,10 @@ envs.SyntheticQAEnv draws the same question and facts from a seed: the two compa
 and train.py's warm-up applies): made-up films, people, cities and countries, and a
 question needing a search per hop ("Where was the director of Amber born?": search
 Amber, then its director). The environment gives the seed ($NANOAGENT_TASK_SEED); the
-last line printed is the reward, {"reward": 1.0, "success": true} when right.
+last line printed is the reward, {"reward": 1.0, "success": true} when right, with each
+turn's reward (the env's -0.1 for a reply with neither a call nor an answer, the outcome
+on the last) and state: what the agent knew, the question and its searches' results
+(serve.py).
 """
 
 import json
@@ -52,7 +55,7 @@ HINT = (
     'Invalid reply: call a tool as <tool_call>{"name": ..., "arguments": {...}}</tool_call> '
     'or give the final answer as <answer>...</answer>.'
 )
-MAX_TURNS, MAX_TOKENS_PER_REPLY = 4, 32
+MAX_TURNS, MAX_TOKENS_PER_REPLY, FORMAT_PENALTY = 4, 32, -0.1
 
 
 def new_task(seed, per_kind=3):
@@ -88,9 +91,11 @@ def normalize(text):
 
 
 def play(client, seed):
-    """One episode: the agent's final answer (None if it gave none) and the right one."""
+    """One episode: the agent's final answer (None if it gave none), the right one, and
+    each turn's reward (the outcome aside) and state."""
     question, answer, facts = new_task(seed)
     messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": question}]
+    turn_rewards, states, found = [], [], set()  # found: what its searches returned
     for _ in range(MAX_TURNS):
         try:
             reply = client.chat.completions.create(
@@ -99,10 +104,12 @@ def play(client, seed):
             ).choices[0].message
         except openai.BadRequestError:  # the conversation outgrew the model's context: no answer
             break
+        turn_rewards.append(0.0)
+        states.append([question, sorted(found)])
         messages.append(reply)  # as it came: the server recognises its own turn next request
         given = re.search(r"<answer>(.*?)</answer>", reply.content or "", re.DOTALL)
         if given:
-            return given[1].strip(), answer
+            return given[1].strip(), answer, turn_rewards, states
         for call in reply.tool_calls or []:
             try:
                 query = json.loads(call.function.arguments).get("query", "")
@@ -110,12 +117,18 @@ def play(client, seed):
                 query = ""
             observation = search(query, facts)
             messages.append({"role": "tool", "tool_call_id": call.id, "content": observation})
+            found.add(observation)
         if not reply.tool_calls:
             messages.append({"role": "user", "content": HINT})
-    return None, answer
+            turn_rewards[-1] = FORMAT_PENALTY
+    return None, answer, turn_rewards, states
 
 
 if __name__ == "__main__":
-    given, answer = play(openai.OpenAI(), int(os.environ.get("NANOAGENT_TASK_SEED", "10000000")))
+    seed = int(os.environ.get("NANOAGENT_TASK_SEED", "10000000"))
+    given, answer, turn_rewards, states = play(openai.OpenAI(), seed)
     success = given is not None and normalize(given) == normalize(answer)
-    print(json.dumps({"reward": float(success), "success": success, "answer": given}))
+    if turn_rewards:  # the outcome is the last turn's, as the env's
+        turn_rewards[-1] += float(success)
+    print(json.dumps({"reward": float(success), "success": success, "answer": given,
+                      "turn_rewards": turn_rewards, "states": states}))

@@ -15,8 +15,12 @@ shared). `layers()` names the layers here:
    prlimit); at the time-out or the output cap we kill the process group and every
    process with the call's token in its environment (which one that left the group
    keeps). Not stopped: what our uid may do (write the repository, signal the
-   trainer, read its /proc/PID/environ), the network, forks, a process that leaves
-   the group and replaces its environment.
+   trainer, read its /proc/PID/environ), the network, forks, and a process that
+   leaves the group and hides the token: an execve with another environment, a
+   write over its environment (/proc/self/mem: no execve) or, unless we are root,
+   prctl(PR_SET_DUMPABLE, 0), which makes its /proc/PID/environ unreadable (EACCES).
+   That one we skip, not kill: it cannot be told from any other process of our uid
+   started meanwhile (sudo and ssh-agent are not dumpable either).
 2. "unprivileged uid" (when we are root, as CI is). The program runs as nobody, with
    no groups (util-linux's setpriv): it cannot write what root owns, read /root or
    signal the trainer;
@@ -27,7 +31,8 @@ shared). `layers()` names the layers here:
    read-only /usr (and /bin, /lib), its work directory, a private /tmp, /proc, /dev,
    nothing else; no network but its own loopback; uid 65534 in a user namespace,
    where RLIMIT_NPROC counts this call's processes (Linux >= 5.14); a PID namespace,
-   so all it started dies with it, whatever its session or environment. Not
+   so all it started dies with it, whatever its session, environment or dumpable
+   flag: wherever bubblewrap runs, the namespace, not the token, is the boundary. Not
    stopped: kernel bugs, and many files each under the size cap (memory in /tmp,
    disk in the work directory) until the time-out.
 """
@@ -109,8 +114,8 @@ def _probe() -> tuple[str, ...]:
         )
     warnings.warn(
         f"bubblewrap {problem}. Without it the model's code may reach the network and"
-        " every file its uid may, and a process that leaves its session and"
-        " environment outlives the call", RuntimeWarning, stacklevel=3
+        " every file its uid may, and a process that leaves its session and hides"
+        " its environment outlives the call", RuntimeWarning, stacklevel=3
     )
     return found
 
@@ -256,7 +261,7 @@ def kill_all(proc: subprocess.Popen, token: str, bwrap=False) -> None:
     for _ in range(50):  # a process may fork or exec while we look: until a pass finds nothing
         found = False
         for pid in filter(str.isdigit, os.listdir("/proc")):
-            with contextlib.suppress(OSError):
+            with contextlib.suppress(OSError):  # gone, or not dumpable (the docstring's layer 1)
                 environ = _environ(pid)
                 if environ is None:  # one in an execve: look again once it is through
                     found = True

@@ -6,7 +6,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from masks import (aggregate_loss, compute_gae, explained_variance, gigpo_advantages, grpo_advantages,
+from masks import (aggregate_loss, anchor_groups, compute_gae, explained_variance, gigpo_advantages, grpo_advantages,
                    kl_estimate, last_agent_positions, masked_mean, masked_whiten, place_rewards,
                    reinforce_pp_advantages, spread_over_turns, states_before_turns)
 
@@ -243,7 +243,7 @@ def episode(group_id, states, rewards):
     for state, reward in zip(states, rewards):
         messages += [{"role": "user", "content": state}, {"role": "assistant", "content": "move"}]
     return SimpleNamespace(group_id=group_id, turn_rewards=list(rewards), score=sum(rewards),
-                           messages=messages)
+                           messages=messages, turn_infos=[{} for _ in rewards])
 
 
 def slow_gigpo(trajectories, gamma, omega, scale_by_std, eps=1e-6):
@@ -316,6 +316,16 @@ def test_gigpo_without_repeated_states_is_grpo():
     grpo = grpo_advantages([t.score for t in trajectories], [t.group_id for t in trajectories]).tolist()
     for row, expected in zip(gigpo_advantages(trajectories, gamma=0.95), grpo):
         assert row == [expected] * 3
+
+
+def test_a_turns_own_state_keys_its_anchor_group_over_its_messages():
+    # Messages that never repeat, states that do (an --agent program's report, serve.py): the states decide.
+    reported = [episode(0, ["A1", "B1"], [-0.1, 1.0]), episode(0, ["A2", "A3"], [-0.1, -0.1])]
+    for trajectory, states in zip(reported, (["A", "B"], ["A", "A"])):
+        trajectory.turn_infos = [{"state": state} for state in states]
+    shown = [episode(0, ["A", "B"], [-0.1, 1.0]), episode(0, ["A", "A"], [-0.1, -0.1])]
+    assert anchor_groups(reported) == anchor_groups(shown) == [0, 1, 0, 0]
+    assert gigpo_advantages(reported, gamma=0.5) == gigpo_advantages(shown, gamma=0.5)
 
 
 def test_states_before_turns_reads_the_observations_a_turn_acted_on():

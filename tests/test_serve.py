@@ -6,6 +6,7 @@ import http.client
 import json
 import os
 import resource
+import shlex
 import shutil
 import signal
 import socket
@@ -14,6 +15,7 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from types import SimpleNamespace
 
 import openai
 import pytest
@@ -677,6 +679,69 @@ print("no reward" if seed == 3 else json.dumps({"reward": 1.0}))
     server.close()
 
 
+# As smolagents writes its memory back (docs/performance.md): a tool call as the agent's own text, so the turn
+# after a call starts a segment; a turn of plain text comes back as sent and extends it.
+RE_RENDERING = """import json, os, openai
+client = openai.OpenAI(max_retries=0)
+messages = [{"role": "user", "content": "What is 3 + 4?"}]
+for turn in range(3):
+    reply = client.chat.completions.create(model="m", messages=messages).choices[0].message
+    calls = [call.function.model_dump() for call in reply.tool_calls or []]
+    messages += [{"role": "assistant", "content": f"Calling tools: {calls}" if calls else reply.content},
+                 {"role": "user", "content": "Observation: 7"}]
+print(json.dumps({"reward": float(os.environ["NANOAGENT_EPISODE_ID"].endswith(".0"))}))
+"""
+
+
+def test_every_turn_of_an_episode_that_rewrites_its_history_gets_the_episode_reward_as_credit(tmp_path):
+    import itertools
+    import masks
+    tokenizer = tiny_tokenizer()
+    sampler = Recording(ScriptedSampler(tokenizer, scripted_replies(tokenizer)))  # a call, text, the answer
+    server, _ = serving(sampler, tokenizer)
+    trajectories = server.play(program(tmp_path, "re_rendering", RE_RENDERING), [0], group_size=2, timeout_s=60)
+    server.close()
+    # Two episodes (rewards 1 and 0) of 3 turns: 2 segments each, the first of 1 turn, the second of 2
+    assert [(t.score, t.info["segment"], t.num_turns) for t in trajectories] == [
+        (1.0, 0, 1), (1.0, 1, 2), (0.0, 0, 1), (0.0, 1, 2)]
+    # Every sampled turn is in one segment, as sampled, with mask 1 (a run of mask 1 is a turn)
+    runs = [tuple(token for token, _ in run) for t in trajectories
+            for agent, run in itertools.groupby(zip(t.token_ids, t.action_mask), lambda pair: pair[1]) if agent]
+    assert sorted(runs) == sorted(tuple(g.token_ids) for _, batch in sampler.calls for g in batch)
+    # Every segment's last agent token carries its episode's reward, so every agent token gets credit:
+    # its return (REINFORCE++, and GAE at gamma = lambda = 1 with V = 0) is the reward; GRPO's sign is its own.
+    batch = masks.collate(trajectories, pad_token_id=0)
+    action_mask = batch["action_mask"]  # (B, T)
+    ends = [t.turn_end_positions[-1] for t in trajectories]
+    assert action_mask[range(4), ends].all()
+    assert batch["token_rewards"][range(4), ends].tolist() == [1.0, 1.0, 0.0, 0.0]
+    scores = torch.tensor([t.score for t in trajectories])[:, None]  # (B, 1)
+    _, returns = masks.compute_gae(batch["token_rewards"], torch.zeros(action_mask.shape), action_mask, 1.0, 1.0)
+    assert torch.equal(returns, scores * action_mask)
+    grpo = masks.grpo_advantages(scores[:, 0], [t.group_id for t in trajectories])[:, None] * action_mask
+    assert ((grpo > 0) == (action_mask.bool() & (scores == 1))).all()
+    assert ((grpo < 0) == (action_mask.bool() & (scores == 0))).all()
+
+
+def test_a_rewritten_historys_earlier_segment_keeps_the_per_turn_rewards_of_the_turns_after_it(tmp_path):
+    import masks
+    tokenizer = tiny_tokenizer()
+    server, _ = serving(ScriptedSampler(tokenizer, scripted_replies(tokenizer)), tokenizer)
+    reports_turns = RE_RENDERING.replace(
+        'print(json.dumps({"reward": float(os.environ["NANOAGENT_EPISODE_ID"].endswith(".0"))}))',
+        'print(json.dumps({"reward": 1.0, "turn_rewards": [0.0, -0.1, 1.0]}))')
+    trajectories = server.play(program(tmp_path, "turns", reports_turns), [0], group_size=1, timeout_s=60)
+    server.close()
+    # Segment 0 holds turn 0, segment 1 turns 1 and 2: each token's return is the episode's from its turn on,
+    # as one trajectory would have it (REINFORCE++, GAE at gamma = lambda = 1 with V = 0).
+    assert [(t.info["segment"], t.turn_rewards) for t in trajectories] == [(0, [pytest.approx(0.9)]), (1, [-0.1, 1.0])]
+    batch = masks.collate(trajectories, pad_token_id=0)
+    _, returns = masks.compute_gae(batch["token_rewards"], torch.zeros(batch["action_mask"].shape),
+                                   batch["action_mask"], 1.0, 1.0)
+    first_tokens = [(t.action_mask.index(1), t.turn_end_positions[0] + 1) for t in trajectories]
+    assert [returns[row, start].item() for row, (start, _) in enumerate(first_tokens)] == pytest.approx([0.9, 0.9])
+
+
 def alive(pid):
     """Whether process `pid` runs (a zombie, dead but not yet reaped by its parent, does not)."""
     try:
@@ -786,6 +851,117 @@ print('{"reward": 1.0}')
     assert "3 requests refused, the first: 400 tool_choice='any'" in capsys.readouterr().out
 
 
+class BySeed:
+    """Replies by sampling seed, {seed: text}: a turn's seed names its episode and turn, however rollout() and the
+    endpoint each derive it (sample_seed_for)."""
+
+    def __init__(self, tokenizer, replies):
+        end = tokenizer.convert_tokens_to_ids("<|im_end|>")
+        self.replies = {seed: tokenizer.encode(text, add_special_tokens=False) + [end]
+                        for seed, text in replies.items()}
+
+    def generate(self, prompts, max_new_tokens, seed, **options):
+        return [Generation(self.replies[row], [-0.01] * len(self.replies[row]), "stop") for row in seed]
+
+
+ROOT = Path(__file__).resolve().parent.parent
+# Sokoban seed 2 as an --agent program: the env's own game, played over the endpoint, each turn's step reward and
+# state (the messages since the turn before, what states_before_turns reads) on its last line.
+SOKOBAN_PLAYER = f"""import json, os, sys
+sys.path.insert(0, {str(ROOT)!r})
+import envs, openai
+env = envs.SokobanEnv(max_turns=5)
+messages, _ = env.reset(int(os.environ["NANOAGENT_TASK_SEED"]))
+client = openai.OpenAI(max_retries=0)
+turn_rewards, states, seen = [], [], [messages[1]["content"]]
+while not env.done:
+    text = client.chat.completions.create(model="m", messages=messages).choices[0].message.content
+    result = env.step(text)
+    turn_rewards.append(result.reward)
+    states.append(seen)
+    seen = [message["content"] for message in result.observations]
+    messages += [{{"role": "assistant", "content": text}}, *result.observations]
+print(json.dumps({{"reward": sum(turn_rewards), "success": env.success, "turn_rewards": turn_rewards,
+                  "states": states}}))
+"""
+
+
+def test_an_agent_reporting_its_turns_gets_the_gigpo_advantages_of_the_same_game_played_as_an_env(tmp_path):
+    import envs
+    import masks
+    import rollout
+    import train
+    # Seed 2's level: Down, Left, Down, Right solves it (+11). Member 1 bumps a wall (its state repeats) and later
+    # writes no action (-0.1); member 2 walks back to a grid it saw. Repeated states, turn rewards beside the outcome.
+    scripts = [["<answer>Down || Left</answer>", "<answer>Down || Right</answer>"],
+               ["<answer>Up</answer>", "<answer>Down || Left</answer>", "I push.", "<answer>Down || Right</answer>"],
+               ["<answer>Down || Left</answer>", "<answer>Up</answer>", "<answer>Down</answer>",
+                "<answer>Down || Right</answer>"]]
+    turns = [(member, turn, text) for member, script in enumerate(scripts) for turn, text in enumerate(script)]
+    tokenizer = tiny_tokenizer()
+    env_replies = {rollout.sample_seed_for(0, 2, member, turn): text for member, turn, text in turns}
+    as_env = rollout.rollout(BySeed(tokenizer, env_replies), tokenizer, lambda: envs.SokobanEnv(max_turns=5), [2],
+                             3, max_turns=5, max_new_tokens=100, max_total_tokens=10_000)
+    # the endpoint's seeds: (the episode's index in the step, its segment, its turn)
+    agent_replies = {rollout.sample_seed_for(0, str(member), 0, turn): text for member, turn, text in turns}
+    server, _ = serving(BySeed(tokenizer, agent_replies), tokenizer, max_total_tokens=10_000)
+    as_agent = server.play(program(tmp_path, "sokoban", SOKOBAN_PLAYER), [2], group_size=3, timeout_s=120)
+    server.close()
+    assert [t.token_ids for t in as_agent] == [t.token_ids for t in as_env]  # the same episodes
+    assert [t.turn_rewards for t in as_env] == [[0.0, 11.0], [0.0, 0.0, -0.1, 11.0], [0.0, 0.0, 0.0, 11.0]]
+    assert len(set(masks.anchor_groups(as_env))) < sum(t.num_turns for t in as_env)  # states repeat
+    args = SimpleNamespace(algo="gigpo", gamma=0.95, omega=1.0, dr_grpo=False)
+    credits = []
+    for trajectories in (as_env, as_agent):  # train.py's step 4, as its loop calls it
+        batch = masks.collate(trajectories, tokenizer.pad_token_id)
+        loss_mask = batch["action_mask"][:, 1:].float()
+        advantages, _, _ = train.credit(args, trajectories, slice(None), batch, batch["token_rewards"], loss_mask,
+                                        None, None)
+        credits.append((advantages, batch["token_rewards"]))  # the token rewards: PPO's and REINFORCE++'s
+    assert torch.equal(credits[0][0], credits[1][0]) and torch.equal(credits[0][1], credits[1][1])
+    assert credits[0][0].abs().sum() > 0
+
+
+TURN_REPORTER = """import json, os, sys, openai
+client = openai.OpenAI(max_retries=0)
+def ask(messages):
+    return client.chat.completions.create(model="m", messages=messages).choices[0].message.content
+first = [{"role": "user", "content": "Q1"}]
+first.append({"role": "assistant", "content": ask(first)})
+ask([{"role": "user", "content": "Q2"}])  # another conversation: a segment of its own
+ask(first + [{"role": "user", "content": "Go on."}])  # the first one's second turn
+print(json.dumps(json.loads(sys.argv[1])[int(os.environ["NANOAGENT_TASK_SEED"])]))
+"""
+
+
+def test_reported_turns_go_to_the_turns_in_the_order_they_were_answered_and_a_bad_report_drops_its_group(
+        tmp_path, capsys):
+    import masks
+    tokenizer = tiny_tokenizer()
+    end = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    replies = [(tokenizer.encode(text, add_special_tokens=False) + [end], "stop") for text in ("Hm.", "Done.")]
+    server, _ = serving(ScriptedSampler(tokenizer, replies), tokenizer)
+    reports = [{"reward": 1.0, "turn_rewards": [0.1, 0.2, 0.7], "states": ["start", {"q": 2}, "start"]},
+               {"reward": 1.0, "turn_rewards": [0.1, 0.9]},
+               {"reward": 1.0, "states": "start"},
+               {"reward": 1.0, "turn_rewards": [0.1, "0.2", 0.7]}]
+    command = f"{program(tmp_path, 'reporter', TURN_REPORTER)} {shlex.quote(json.dumps(reports))}"
+    first, second = server.play(command, [0, 1, 2, 3], group_size=1, timeout_s=60)
+    server.close()
+    # Answered in the order segment 0, segment 1, segment 0: the first segment's turns are the first and third;
+    # the second segment's one turn also carries the third's reward, which came after it.
+    assert [(t.info["segment"], t.turn_rewards, t.score) for t in (first, second)] == [
+        (0, [0.1, 0.7], 1.0), (1, [pytest.approx(0.9)], 1.0)]
+    # The first segment's two turns met "start", whatever their messages were: one anchor group
+    assert [info["state"] for info in first.turn_infos + second.turn_infos] == ['"start"', '"start"', '{"q": 2}']
+    assert masks.anchor_groups([first, second]) == [0, 0, 1]
+    log = capsys.readouterr().out
+    assert "(seed 1) dropped: an episode failed (its turn_rewards must be a list of 3 numbers, one a turn: [0.1" in log
+    assert "(seed 2) dropped: an episode failed (its states must be a list of 3 states, one a turn: 'start'" in log
+    assert ("(seed 3) dropped: an episode failed (its turn_rewards must be a list of 3 numbers, one a turn: "
+            "[0.1, '0.2', 0.7]") in log
+
+
 # Agents written with the real frameworks, run in their own environment (.ci/run builds it from
 # requirements-agents.txt: their pins are not the trainer's, and --agent takes any command line).
 FRAMEWORK_AGENTS = Path(__file__).resolve().parent / "agents"
@@ -847,6 +1023,26 @@ def test_the_example_agent_plays_an_episode_through_the_endpoint(tiny):
     server.close()
     assert trajectory.num_turns >= 1 and trajectory.score in (0.0, 1.0)
     assert "search" in tokenizer.decode(trajectory.token_ids[:trajectory.prompt_length])  # its tool, in the prompt
+
+
+def test_the_example_agent_reports_each_turns_reward_and_what_it_knew():
+    sys.path.insert(0, str(EXAMPLE_AGENT.parent))
+    import multihop_agent
+    question, answer, facts = multihop_agent.new_task(4)
+    entity = question.split()[-2]  # "Where was the director of Amber born?"
+    call = f'<tool_call>\n{json.dumps({"name": "search", "arguments": {"query": entity}})}\n</tool_call>'
+    tokenizer = tiny_tokenizer()
+    end = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    replies = [(tokenizer.encode(text, add_special_tokens=False) + [end], "stop")
+               for text in (call, "Let me think.", f"<answer>{answer}</answer>")]  # a search, a void turn, the answer
+    server, _ = serving(ScriptedSampler(tokenizer, replies), tokenizer)
+    [trajectory] = server.play(f"{sys.executable} {EXAMPLE_AGENT}", [4], group_size=1, timeout_s=60)
+    server.close()
+    assert trajectory.turn_rewards == [0.0, -0.1, 1.0] and trajectory.score == 1.0
+    # The void turn and the one after it knew the same: GiGPO compares them
+    found = multihop_agent.search(entity, facts)
+    assert [json.loads(info["state"]) for info in trajectory.turn_infos] == [
+        [question, []], [question, [found]], [question, [found]]]
 
 
 def test_the_example_agent_draws_the_tasks_of_synthetic_qa():

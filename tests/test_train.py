@@ -266,6 +266,8 @@ def test_gigpo_discounts_its_step_returns_by_default_and_explicit_flags_win():
     # left out, --agent runs take the defaults (an env's included) like any run
     args = train.get_args(["--agent", "python a.py"])
     assert (args.max_turns, args.truncated_reward) == (4, "keep")
+    # an --agent program reports its turns' rewards and states (serve.py): GiGPO takes them as an env's
+    assert train.get_args(["--agent", "python a.py", "--algo", "gigpo"]).gamma == 0.95
 
 
 def test_starpo_s_sets_its_values_and_explicit_flags_win():
