@@ -47,9 +47,10 @@ list the turns, in the order their replies came (across segments): "turn_rewards
 each turn's last token instead, the last holding the outcome, as an env's) and "states"
 (any JSON, what each turn acted on: its GiGPO anchor group's key, masks.anchor_groups).
 A segment's last turn also carries the rewards of the later turns of other segments
-(undiscounted): a turn's return is the episode's from it on. Not per request: a framework sends its own, and a turn's reward comes after its reply.
-A program that crashes, hangs past the time-out, reports no reward or turns that are
-not its episode's loses its group for the step; the log says why.
+(undiscounted): a turn's return is the episode's from it on. Not per request: a framework
+sends its own, and a turn's reward comes after its reply. A program that crashes, hangs
+past the time-out, reports no reward or turns that are not its episode's loses its group
+for the step; the log says why.
 When it ends or times out, every process it started is killed, wherever it moved (a new
 session, a double fork: all carry a token in their environment, as in nanoagent/sandbox.py;
 one that also hides its environment escapes), its output read a second more at most, and
