@@ -28,7 +28,7 @@ def code_cells(notebook):
 def test_the_notebooks_are_there():
     names = [path.stem for path in NOTEBOOKS]
     for name in ["01_tools_and_envs", "02_rollout_and_masks", "03_advantages", "04_train_on_cpu",
-                 "05_reproduce_the_papers"]:
+                 "05_reproduce_the_papers", "06_a_real_model"]:
         assert name in names, f"notebooks/{name}.ipynb is missing"
 
 
