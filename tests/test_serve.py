@@ -80,6 +80,21 @@ def conversations_of(server, episode):
     return [conversation for conversation in server.conversations if conversation.episode == episode]
 
 
+def assert_is_the_rendered_conversation(trajectory, tokenizer, texts, replies):
+    """The trajectory of OPENING, three sampled turns `texts` (token ids `replies`) with a tool result and a user
+    message between them is the template's rendering of that conversation, rollout()'s tokens for the same turns,
+    and its mask 1 is exactly on the sampled tokens."""
+    rendered = render(tokenizer, OPENING + [{"role": "assistant", "content": texts[0]},
+                                            {"role": "tool", "content": "7"},
+                                            {"role": "assistant", "content": texts[1]},
+                                            {"role": "user", "content": "Please answer."},
+                                            {"role": "assistant", "content": texts[2]}], CALCULATOR)
+    assert trajectory.token_ids == tokenizer.encode(rendered[:-1], add_special_tokens=False)
+    assert trajectory.prompt_length == len(encode_chat(tokenizer, OPENING, CALCULATOR, add_generation_prompt=True))
+    mask = torch.tensor(trajectory.action_mask)
+    assert torch.tensor(trajectory.token_ids)[mask == 1].tolist() == [t for ids, _ in replies for t in ids]
+
+
 def test_tool_calls_come_back_as_openai_tool_calls_and_the_trajectory_is_the_sampled_tokens():
     tokenizer = tiny_tokenizer()
     replies = scripted_replies(tokenizer)  # a tool call, "Let me think.", an answer: each ends with <|im_end|>
@@ -101,16 +116,7 @@ def test_tool_calls_come_back_as_openai_tool_calls_and_the_trajectory_is_the_sam
     [conversation] = conversations_of(server, "")
     server.close()
     trajectory = conversation.trajectory
-    # The template's rendering of the conversation with the sampled texts: rollout()'s tokens for the same turns.
-    rendered = render(tokenizer, OPENING + [{"role": "assistant", "content": REPLIES[0]},
-                                            {"role": "tool", "content": "7"},
-                                            {"role": "assistant", "content": REPLIES[1]},
-                                            {"role": "user", "content": "Please answer."},
-                                            {"role": "assistant", "content": REPLIES[2]}], CALCULATOR)
-    assert trajectory.token_ids == tokenizer.encode(rendered[:-1], add_special_tokens=False)
-    assert trajectory.prompt_length == len(encode_chat(tokenizer, OPENING, CALCULATOR, add_generation_prompt=True))
-    mask = torch.tensor(trajectory.action_mask)
-    assert torch.tensor(trajectory.token_ids)[mask == 1].tolist() == [t for ids, _ in replies for t in ids]
+    assert_is_the_rendered_conversation(trajectory, tokenizer, REPLIES, replies)
     for turn, (prompts, generations) in enumerate(sampler.calls):  # each turn's prompt: the tokens so far, as kept
         assert prompts == [trajectory.token_ids[:len(prompts[0])]]
         end = trajectory.turn_end_positions[turn] + 1
@@ -516,16 +522,7 @@ def test_responses_items_previous_response_id_and_streams_extend_one_token_exact
     [conversation] = conversations_of(server, "")
     server.close()
     trajectory = conversation.trajectory
-    # The template's rendering of the conversation with the sampled texts, the tools in chat's shape.
-    rendered = render(tokenizer, OPENING + [{"role": "assistant", "content": texts[0]},
-                                            {"role": "tool", "content": "7"},
-                                            {"role": "assistant", "content": texts[1]},
-                                            {"role": "user", "content": "Please answer."},
-                                            {"role": "assistant", "content": texts[2]}], CALCULATOR)
-    assert trajectory.token_ids == tokenizer.encode(rendered[:-1], add_special_tokens=False)
-    assert trajectory.prompt_length == len(encode_chat(tokenizer, OPENING, CALCULATOR, add_generation_prompt=True))
-    mask = torch.tensor(trajectory.action_mask)
-    assert torch.tensor(trajectory.token_ids)[mask == 1].tolist() == [t for ids, _ in replies for t in ids]
+    assert_is_the_rendered_conversation(trajectory, tokenizer, texts, replies)  # the tools in chat's shape
     assert trajectory.num_turns == 3 and trajectory.turn_infos[0]["tool_calls"] == 1
 
 
