@@ -51,14 +51,17 @@ A segment's last turn also carries the rewards of the later turns of other segme
 sends its own, and a turn's reward comes after its reply. A program that crashes, hangs
 past the time-out, reports no reward or turns that are not its episode's loses its group
 for the step; the log says why.
-When it ends or times out, every process it started is killed, wherever it moved (a new
-session, a double fork: all carry a token in their environment, as in nanoagent/sandbox.py;
-one that also hides its environment escapes), its output read a second more at most, and
-its episode closed: a late request gets a 404, a queued turn or one sampled as it ended is
-dropped, and nothing is sampled during the update.
+When it ends or times out, every process it started is killed, wherever it moved (it
+runs first in a PID namespace of its own, whose processes die with it, whatever their
+session, environment or parent; where namespaces are not allowed, a token in their
+environment finds them, as in nanoagent/sandbox.py, and one that hides it escapes), its
+output read a second more at most, and its episode closed: a late request gets a 404, a
+queued turn or one sampled as it ended is dropped, and nothing is sampled during the
+update.
 """
 
 import argparse
+import functools
 import itertools
 import json
 import math
@@ -66,10 +69,12 @@ import os
 import queue
 import re
 import shlex
+import shutil
 import subprocess
 import threading
 import time
 import uuid
+import warnings
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import asdict, dataclass, replace
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -551,13 +556,17 @@ def misreported(report, turns):
 
 
 def run_program(command, environment, timeout_s):
-    """Run a command line in a session of its own; at its time-out or its exit, kill
-    every process it started, wherever it moved (sandbox.kill_all: they carry a token in
-    their environment), and read its output a second more at most: (its exit code, None
-    if it timed out; its output's tail; its errors')."""
-    token = os.urandom(8).hex()
+    """Run a command line in a session and a PID namespace of its own; at its time-out or
+    its exit, kill every process it started, wherever it moved, and read its output a
+    second more at most: (its exit code, None if it timed out; its output's tail; its
+    errors')."""
+    token = os.urandom(8).hex()  # sandbox.kill_all's mark, where there is no namespace
+    argv = shlex.split(command)
+    if not argv or not shutil.which(argv[0], path=environment.get("PATH")):  # unshare's 127
+        raise FileNotFoundError(f"no program {argv[:1]} to run (not found, or not executable)")
     with subprocess.Popen(
-        shlex.split(command), env={**environment, "NANOAGENT_SANDBOX": token},
+        own_pid_namespace() + argv,
+        env={**environment, "NANOAGENT_SANDBOX": token},
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True,
     ) as process:
         output, errors, stopped = sandbox.collect(
@@ -565,6 +574,29 @@ def run_program(command, environment, timeout_s):
         )
     returncode = None if stopped else process.returncode
     return returncode, output.decode(errors="replace"), errors.decode(errors="replace")
+
+
+@functools.cache
+def own_pid_namespace() -> list[str]:
+    """The argv prefix that runs a program as the first process of a new PID namespace
+    (util-linux's unshare, in a user namespace unless we are root): when it exits or is
+    killed, the kernel kills the namespace's every process. [] where that is refused."""
+    prefix = ["unshare", "--pid", "--fork", "--kill-child"]
+    if os.geteuid() != 0:
+        prefix += ["--user", "--map-root-user"]
+    try:
+        probe = subprocess.run([*prefix, "true"], capture_output=True, text=True, timeout=30)
+        problem = probe.returncode and (probe.stderr.strip() or f"exit code {probe.returncode}")
+    except (OSError, subprocess.TimeoutExpired) as error:
+        problem = str(error)
+    if not problem:
+        return [*prefix, "--"]
+    warnings.warn(
+        f"{shlex.join(prefix)} fails here ({problem}): a process that an agent program"
+        " starts and that leaves its session and drops its environment outlives the"
+        " program; allow user namespaces (sysctl kernel.unprivileged_userns_clone=1)",
+        RuntimeWarning, stacklevel=2)
+    return []
 
 
 class HTTPServer(ThreadingHTTPServer):

@@ -26,7 +26,7 @@ from nanoagent.common import UserError
 from nanoagent.models import tiny_model, tiny_tokenizer
 from nanoagent.report import trajectory_records
 from nanoagent.sampler import Generation, TorchSampler
-from serve import Server
+from serve import Server, own_pid_namespace
 from rollout import encode_chat, observation_tokens, render, sample_seed_for
 from tests.test_rollout import REPLIES, TOOL_CALL, ScriptedSampler, scripted_replies
 
@@ -747,14 +747,26 @@ def alive(pid):
         return False
 
 
+def sleepers_reporting_to(directory):
+    """Program source that starts processes that sleep, each appending its pid as the trainer sees it (/proc/self
+    is read through the trainer's /proc, not the program's PID namespace) to directory/pids-<task seed>:
+    `sleeper` is their argv, `wait_for(n)` returns once n pids are there."""
+    return f"""import os, subprocess, sys, time
+pids = os.path.join({str(directory)!r}, "pids-" + os.environ["NANOAGENT_TASK_SEED"])
+sleeper = [sys.executable, "-c", "import os, sys, time; "
+           "open(sys.argv[1], 'a').write(os.readlink('/proc/self') + ' '); time.sleep(600)", pids]
+def wait_for(n):
+    while not os.path.exists(pids) or len(open(pids).read().split()) < n:
+        time.sleep(0.01)
+"""
+
+
 def test_a_program_is_killed_with_everything_it_started_at_its_time_out_and_when_it_exits(tmp_path):
     tokenizer = tiny_tokenizer()
     server, _ = serving(ScriptedSampler(tokenizer, scripted_replies(tokenizer)), tokenizer)
-    pids = tmp_path / "pids"
-    spawner = program(tmp_path, "spawner", f"""import os, subprocess, sys, time
-helper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
-with open({str(pids)!r}, "a") as pids:
-    print(helper.pid, file=pids)
+    spawner = program(tmp_path, "spawner", sleepers_reporting_to(tmp_path) + f"""
+subprocess.Popen(sleeper)
+wait_for(1)
 if os.environ["NANOAGENT_TASK_SEED"] == "0":
     time.sleep(600)  # hangs: killed at the time-out
 print('{{"reward": 1.0}}')  # leaves its helper running
@@ -762,7 +774,7 @@ print('{{"reward": 1.0}}')  # leaves its helper running
     with pytest.raises(UserError, match="every group"):  # neither made a request
         server.play(spawner, [0, 1], group_size=1, timeout_s=5)
     server.close()
-    helpers = [int(pid) for pid in pids.read_text().split()]
+    helpers = [int(pid) for seed in "01" for pid in (tmp_path / f"pids-{seed}").read_text().split()]
     deadline = time.monotonic() + 10  # the killed helpers' new parent reaps them
     while any(map(alive, helpers)) and time.monotonic() < deadline:
         time.sleep(0.1)
@@ -771,45 +783,43 @@ print('{{"reward": 1.0}}')  # leaves its helper running
 
 def test_children_that_leave_the_session_and_keep_stdout_open_neither_hold_play_nor_outlive_it(tmp_path):
     # Each program starts three sleepers that keep its stdout open: one in a session of its own, one double-forked
-    # (orphaned at once), one that also drops its environment (the token): nothing finds that one, but play stops
-    # reading a second after the kill and returns all the same.
+    # (orphaned at once), one that also drops its environment (the token): its PID namespace kills all three. Where
+    # namespaces are refused nothing finds the last one, but play stops reading a second after the kill all the same.
     tokenizer = tiny_tokenizer()
     server, _ = serving(ScriptedSampler(tokenizer, scripted_replies(tokenizer)), tokenizer)
-    pids = tmp_path / "pids"
-    detacher = program(tmp_path, "detacher", f"""import os, subprocess, sys, time
-sleeper = [sys.executable, "-c", "import time; time.sleep(30)"]
-detached = subprocess.Popen(sleeper, start_new_session=True).pid
-unmarked = subprocess.Popen(sleeper, start_new_session=True, env={{}}).pid
-read, write = os.pipe()
+    detacher = program(tmp_path, "detacher", sleepers_reporting_to(tmp_path) + f"""
+subprocess.Popen(sleeper, start_new_session=True)
+wait_for(1)
 if os.fork() == 0:
     os.setsid()
-    orphan = os.fork()
-    if orphan == 0:
+    if os.fork() == 0:
         os.execv(sys.executable, sleeper)
-    os.write(write, str(orphan).encode())
     os._exit(0)
 os.wait()
-with open({str(pids)!r}, "a") as pids:
-    print(detached, os.read(read, 20).decode(), unmarked, file=pids)
+wait_for(2)
+subprocess.Popen(sleeper, start_new_session=True, env={{}})  # the last line of pids-<seed>
+wait_for(3)
 if os.environ["NANOAGENT_TASK_SEED"] == "0":
     time.sleep(600)  # hangs: killed at the time-out
 print('{{"reward": 1.0}}')
 """)
     start = time.monotonic()
+    started = []
     try:
         with pytest.raises(UserError, match="every group"):  # neither made a request
             server.play(detacher, [0, 1], group_size=1, timeout_s=2)
         elapsed = time.monotonic() - start
-        started = [[int(pid) for pid in line.split()] for line in pids.read_text().splitlines()]
-        marked = [pid for detached, orphan, _ in started for pid in (detached, orphan)]
+        started = [[int(pid) for pid in (tmp_path / f"pids-{seed}").read_text().split()] for seed in "01"]
+        killed = [pid for pids in started for pid in pids[:3 if own_pid_namespace() else 2]]
         deadline = time.monotonic() + 10  # the killed sleepers' new parent reaps them
-        while any(map(alive, marked)) and time.monotonic() < deadline:
+        while any(map(alive, killed)) and time.monotonic() < deadline:
             time.sleep(0.1)
         assert elapsed < 2 + 5, f"play took {elapsed:.1f} s with a time-out of 2 s"
-        assert len(marked) == 4 and not any(map(alive, marked))
+        assert [len(pids) for pids in started] == [3, 3] and not any(map(alive, killed))
+        assert os.geteuid() != 0 or own_pid_namespace(), "root may always make a PID namespace"
     finally:
         server.close()
-        for pid in map(int, pids.read_text().split() if pids.exists() else []):  # the unmarked ones, too
+        for pid in [pid for pids in started for pid in pids]:  # the unmarked ones, too
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
 
