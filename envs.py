@@ -28,7 +28,7 @@ argument:
   - reasoning-aware format (RAGEN): `require_think=True` wants <think>...</think> first.
 
 Seeds. Everything is deterministic given the seed. Procedural envs train on seeds below
-EVAL_SEED_START and evaluate on `eval_seeds(n)`; SearchQAEnv splits its dataset instead.
+EVAL_SEED_START and evaluate on `eval_seeds(n)`; the dataset envs split their rows instead.
 """
 import contextlib
 import hashlib
@@ -50,8 +50,11 @@ from nanoagent.models import TINY_NAMES
 EVAL_SEED_START = 10_000_000
 
 
-def eval_seeds(n: int) -> range:
-    return range(EVAL_SEED_START, EVAL_SEED_START + n)
+def eval_seeds(n: int, env: str = "") -> range:
+    """The held-out seeds that training and eval.py play: from EVAL_SEED_START, or, for
+    an env of DATA_ENVS, rows 0 to n - 1 of its held-out split."""
+    start = 0 if ENVS.get(env) in DATA_ENVS else EVAL_SEED_START
+    return range(start, start + n)
 
 
 @dataclass
@@ -76,12 +79,6 @@ def exact_match(prediction: str, answers: list[str]) -> float:
     """1.0 if the normalised prediction equals any normalised gold answer."""
     prediction = normalize_answer(prediction)
     return float(any(prediction == normalize_answer(answer) for answer in answers))
-
-
-def substring_match(prediction: str, answers: list[str]) -> float:
-    """1.0 if a normalised gold answer occurs in the normalised prediction ("cover EM")."""
-    prediction = f" {normalize_answer(prediction)} "  # padded: "1" does not match inside "10"
-    return float(any(f" {normalize_answer(answer)} " in prediction for answer in answers))
 
 
 def f1_score(prediction: str, answers: list[str]) -> float:
@@ -158,8 +155,7 @@ class ToolEnv:
     def score(self, answer: str) -> dict:
         """Scores a final answer against self.answers; "em" decides success and reward."""
         return {
-            "em": exact_match(answer, self.answers), "f1": f1_score(answer, self.answers),
-            "substring_em": substring_match(answer, self.answers),
+            "em": exact_match(answer, self.answers), "f1": f1_score(answer, self.answers)
         }
 
     def is_useful(self, call: tools.ToolCall, output: str) -> bool:
@@ -199,7 +195,7 @@ class ToolEnv:
         """The second half: (output, ok) of each call read_turn returned -> StepResult."""
         info = {
             "success": False, "tool_calls": len(self.calls), "invalid_calls": 0,
-            "format_error": False, "answer": self.answer, "em": 0.0, "f1": 0.0, "substring_em": 0.0,
+            "format_error": False, "answer": self.answer, "em": 0.0, "f1": 0.0,
             "calls": [asdict(call) for call in self.calls],  # as parsed, errors too (report)
         }
         observations = []
@@ -737,7 +733,7 @@ class MathEnv(ToolEnv):
     def score(self, answer):
         number = final_number(answer)
         em = float(number is not None and float(number) == float(self.answers[0]))
-        return {"em": em, "f1": em, "substring_em": em}
+        return {"em": em, "f1": em}
 
 # -----------------------------------------------------------------------------
 # RAGEN's games: the action is a word in <answer>...</answer>, several joined by "||"
@@ -1000,7 +996,7 @@ class FrozenLakeEnv(GameEnv):
 
 
 class SlipperyFrozenLakeEnv(FrozenLakeEnv):
-    """FrozenLake on slippery ice, as RAGEN plays it, with its recipe (docs/results.md)."""
+    """FrozenLake on slippery ice, as RAGEN plays it, with its recipe (docs/games.md)."""
     __init__ = partialmethod(FrozenLakeEnv.__init__, slippery=True)
     train_defaults = {**FrozenLakeEnv.train_defaults, "warmup_mistake_rate": 0.1, "group_size": 16}
 
@@ -1008,9 +1004,10 @@ class SlipperyFrozenLakeEnv(FrozenLakeEnv):
 class SokobanEnv(GameEnv):
     """Push the box onto the target in a walled size x size room with `interior_walls`
     more walls; levels are random per seed, redrawn until a breadth-first search over
-    (player, box) states solves them. Rewards: `box_on_target_reward` +1 and
-    `solved_reward` +10 when the box reaches the target, which ends the game; `step_reward`
-    0 a move (gym-sokoban's -0.1: docs/results.md)."""
+    (player, box) states solves them. Rewards: `solved_reward` +11 when the box reaches
+    the target, which ends the game (gym-sokoban's +1 for a box on a target and +10 for
+    a solved room: one event with one box); `step_reward` 0 a move (gym-sokoban's -0.1:
+    docs/games.md)."""
     rules = (
         "Sokoban: you are P; push the box X onto the target O. # is a wall, _ is floor. "
         "You can push the box but not pull it. * is the box on the target, + is you on the "
@@ -1024,12 +1021,11 @@ class SokobanEnv(GameEnv):
     }
 
     def __init__(
-        self, size=6, interior_walls=2, step_reward=0.0, box_on_target_reward=1.0,
-        solved_reward=10.0, max_turns=10, **options,
+        self, size=6, interior_walls=2, step_reward=0.0, solved_reward=11.0, max_turns=10,
+        **options,
     ):
         self.size, self.interior_walls = size, interior_walls
         self.step_reward, self.solved_reward = step_reward, solved_reward
-        self.box_on_target_reward = box_on_target_reward
         super().__init__(max_turns=max_turns, **options)
 
     def transition(self, player, box, action):
@@ -1064,8 +1060,7 @@ class SokobanEnv(GameEnv):
     def move(self, action):
         self.player, self.box = self.transition(self.player, self.box, action)
         self.success = self.box == self.target
-        bonus = self.success * (self.box_on_target_reward + self.solved_reward)
-        return self.step_reward + bonus, self.success
+        return self.step_reward + self.success * self.solved_reward, self.success
 
     def render(self):
         def symbol(cell):

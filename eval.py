@@ -10,10 +10,12 @@ Evaluate trained agents, run the papers' baselines, and chat with an agent in th
     python eval.py --chat --model tiny --env synthetic_qa --seed 3   # Ctrl-D or "exit" ends
 
 Evaluation. rollout.rollout, training's loop, plays held-out seeds (envs.eval_seeds;
-rows of --split for search_qa). Each (model, setting, temperature) is a row of the
-numbers training logs (rollout.summarize) and pass@k for k = 1, 2, 4, ... up to
---samples: the unbiased 1 - C(n-c, k) / C(n, k) from n samples per seed with c
-successes (Codex paper). Temperature 0 is greedy. One process, no torchrun.
+rows of --split for search_qa) with the settings training plays (resolve_settings): a
+run's checkpoint is evaluated as the run evaluated itself, and gives its number. Each
+(model, setting, temperature) is a row of the numbers training logs (rollout.summarize)
+and pass@k for k = 1, 2, 4, ... up to --samples: the unbiased 1 - C(n-c, k) / C(n, k)
+from n samples per seed with c successes (Codex paper). Temperature 0 is greedy. One
+process, no torchrun.
 
 Baselines (Agent-R1's table), rows --baselines adds for every model, tool envs only:
   tools         the plain row: Base Tool Call when the model is the untrained one
@@ -40,7 +42,9 @@ from tqdm import tqdm
 import envs
 import rollout
 import tools
+import train
 from nanoagent import common, models
+from nanoagent.checkpoint import load_trainer_state
 from nanoagent.common import UserError
 from nanoagent.report import TRAJECTORIES, append_jsonl, trajectory_records
 from nanoagent.sampler import TorchSampler
@@ -60,7 +64,7 @@ def pass_ks(samples: int) -> list[int]:
     return sorted({2 ** i for i in range(samples.bit_length()) if 2 ** i < samples} | {samples})
 
 
-def summarize(trajectories: list) -> dict:
+def table_row(trajectories: list) -> dict:
     """The table's row (module docstring) of trajectories, as many per seed each."""
     successes = defaultdict(list)  # env seed -> success of each sample
     for trajectory in trajectories:
@@ -147,7 +151,7 @@ def evaluate(
     sampler, tokenizer, make_env, seeds, samples=1, temperature=0.0, max_new_tokens=256,
     max_total_tokens=4096, seeds_per_batch=64, sample_seed=0, progress=True, save_as=None,
 ) -> dict:
-    """summarize()'s row of `samples` episodes per seed from rollout.rollout (batched by
+    """table_row() of `samples` episodes per seed from rollout.rollout (batched by
     seeds). save_as=(directory, label): also append them to directory/trajectories.jsonl."""
     assert temperature > 0 or samples == 1, (
         "greedy decoding (temperature 0) gives identical samples: use --samples 1"
@@ -166,7 +170,7 @@ def evaluate(
     if save_as:
         records = trajectory_records(trajectories, tokenizer, save_as[1])
         append_jsonl(Path(save_as[0]) / TRAJECTORIES, records)
-    return summarize(trajectories)
+    return table_row(trajectories)
 
 
 # chat in a terminal: agent green, tools grey
@@ -263,24 +267,27 @@ def get_args(argv=None):
     add("--sampler", choices=["torch", "vllm"], help="default: vllm on a GPU, else torch")
     add("--vllm_memory", type=float, default=0.5,
         help="--sampler vllm on GPUs: its share of the card's memory")
-    add("--temperature", type=float, nargs="+", default=[0.0],
-        help="0 = greedy; several give several rows")
+    add("--temperature", type=float, nargs="+",
+        help="0 = greedy; several give several rows (default: the run's, else 0)")
     add("--samples", type=int, default=1, help="samples per seed when sampling (pass@k up to this)")
-    add("--max_new_tokens", type=int, default=256, help="per assistant turn")
-    add("--max_total_tokens", type=int, default=4096, help="per episode")
+    add("--max_new_tokens", type=int, help="per assistant turn (default: as training)")
+    add("--max_total_tokens", type=int, help="per episode (default: as training)")
     add("--seeds_per_batch", type=int, default=64,
         help="seeds per rollout() call (x samples episodes)")
+    add("--sample_seed", type=int,
+        help="seeds the sampling (default: as the run evaluated, else 0)")
     # Environment and data
-    add("--env", default="synthetic_qa", choices=sorted(envs.ENVS))
-    add("--env_options", default="{}", help='JSON constructor options, e.g. \'{"hops": 3}\'')
-    add("--max_turns", type=int, help="default: the env's own")
-    add("--data", default="hotpotqa",
-        help="search_qa, math: Hub name, local dataset directory or .json/.jsonl/.parquet")
+    add("--env", choices=sorted(envs.ENVS), help="default: the run's, else synthetic_qa")
+    add("--env_options", help='JSON constructor options, e.g. \'{"hops": 3}\'')
+    add("--max_turns", type=int, help="default: as training")
+    add("--data",
+        help="search_qa, math: Hub name, local dataset directory or .json/.jsonl/.parquet "
+        "(default: the run's, else hotpotqa)")
     add("--split", default="held-out",
         help="search_qa, math: held-out is the dataset's own (envs.read_rows; a local file: "
         "its held-out share), or a split's name ('all': every row)")
-    add("--n", type=int, default=256, help="evaluation seeds (search_qa: rows)")
-    add("--seed_start", type=int, help="default: EVAL_SEED_START (search_qa: 0)")
+    add("--n", type=int, help="evaluation seeds (search_qa: rows; default: the run's, else 256)")
+    add("--seed_start", type=int, help="default: envs.eval_seeds's, as training evaluates")
     # Output and modes
     add("--baselines", action="store_true", help="add naive_rag and no_retrieval rows per model")
     add("--json", help="also write the rows to this JSON file")
@@ -288,7 +295,58 @@ def get_args(argv=None):
         "as train.py does (python -m nanoagent.report DIR shows them)")
     add("--chat", action="store_true", help="talk to the first model with --env's tools for --seed")
     add("--seed", type=int, default=0, help="chat: the env seed whose tools (KB) are used")
-    return parser.parse_args(argv)
+    return resolve_settings(parser.parse_args(argv))
+
+
+# eval.py's flags that a run's checkpoint sets, from the run's settings
+RUN_SETTINGS = {
+    "env": "env", "env_options": "env_options", "data": "data", "max_new_tokens": "max_new_tokens",
+    "max_total_tokens": "max_total_tokens", "temperature": "temperature", "n": "eval_episodes",
+}
+
+
+def resolve_settings(args):
+    """The settings once, as train.py resolves a run's: the flags given; then, when --model is
+    a run's checkpoint, the run's own (its trainer state), as it evaluated itself; then the
+    env's train_defaults and train.DEFAULTS. So a trained player is evaluated in its game."""
+    runs = [
+        load_trainer_state(model)["args"] for model in args.model
+        if (Path(model) / "trainer_state.pt").is_file()
+    ]
+    run = runs[0] if runs else {}
+    for flag, key in RUN_SETTINGS.items():
+        if getattr(args, flag) is None and runs:
+            if any(other[key] != run[key] for other in runs):
+                raise UserError(
+                    f"the --model checkpoints come from runs with other {key} settings: "
+                    f"pass --{flag}, or evaluate them one at a time"
+                )
+            value = run[key]
+            setattr(args, flag, [value] if flag == "temperature" else value)
+    args.env = args.env or "synthetic_qa"
+    defaults = {**train.DEFAULTS, **envs.ENVS[args.env].train_defaults}
+    args.max_new_tokens = args.max_new_tokens or defaults["max_new_tokens"]
+    args.max_total_tokens = args.max_total_tokens or defaults["max_total_tokens"]
+    args.temperature = args.temperature or [0.0]
+    args.n = args.n or 256
+    args.data = args.data or "hotpotqa"
+    if args.sample_seed is None:
+        args.sample_seed = run["seed"] + 1 if run else 0  # train.evaluate_held_out's
+    options = args.env_options if isinstance(args.env_options, dict) else None
+    if options is None:
+        try:
+            options = json.loads(args.env_options or "{}")
+        except json.JSONDecodeError as error:
+            raise UserError(f"--env_options is not valid JSON ({error})") from error
+    if not isinstance(options, dict):
+        raise UserError(f"--env_options must be a JSON object, got {args.env_options!r}")
+    args.env_options = {"max_turns": defaults["max_turns"], **options}
+    if args.max_turns is not None:
+        args.env_options["max_turns"] = args.max_turns
+    args.max_turns = args.env_options["max_turns"]
+    if args.seed_start is None:
+        args.seed_start = envs.eval_seeds(0, args.env).start
+    return args
 
 
 def table_settings(args, make_env, seeds) -> list[str]:
@@ -310,21 +368,17 @@ def main(argv=None):
         Path(args.trajectories).mkdir(parents=True, exist_ok=True)
     on_gpu = common.autodetect_device_type() == "cuda"
     sampler_kind = args.sampler or ("vllm" if on_gpu else "torch")
-    options = json.loads(args.env_options)
-    if args.max_turns is not None:
-        options["max_turns"] = args.max_turns
-    make_env = envs.env_factory(args.env, options, data=args.data, split=args.split)
+    print(f"settings: {json.dumps(vars(args))}")
+    make_env = envs.env_factory(args.env, args.env_options, data=args.data, split=args.split)
     if args.chat:
         sampler, tokenizer = make_sampler(
             sampler_kind, args.model[0], args.max_total_tokens, args.vllm_memory
         )
         chat(
-            sampler, tokenizer, make_env(), args.seed, args.max_turns or 4, args.max_new_tokens,
+            sampler, tokenizer, make_env(), args.seed, args.max_turns, args.max_new_tokens,
             args.max_total_tokens, args.temperature[0], color=sys.stdout.isatty(),
         )
         return
-    if args.seed_start is None:
-        args.seed_start = 0 if envs.ENVS[args.env] in envs.DATA_ENVS else envs.EVAL_SEED_START
     seeds = range(args.seed_start, args.seed_start + args.n)
     settings = table_settings(args, make_env, seeds)
     rows = []
@@ -340,7 +394,7 @@ def main(argv=None):
                 row = evaluate(
                     sampler, tokenizer, lambda: SETTINGS[setting](make_env()), seeds, samples,
                     temperature, args.max_new_tokens, args.max_total_tokens, args.seeds_per_batch,
-                    save_as=args.trajectories and (args.trajectories, label),
+                    args.sample_seed, save_as=args.trajectories and (args.trajectories, label),
                 )
                 rows.append({"model": model_name, "setting": setting, "temp": temperature, **row})
         del sampler  # free the model (or vLLM's memory) before the next one loads
@@ -349,6 +403,7 @@ def main(argv=None):
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=2))
         print(f"wrote {args.json}")
+    return args
 
 
 if __name__ == "__main__":

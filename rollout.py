@@ -53,7 +53,6 @@ import statistics
 from dataclasses import dataclass
 from functools import lru_cache
 
-from tqdm import tqdm
 
 import envs
 
@@ -244,8 +243,7 @@ def add_step_info(info, step_info):
 
 def rollout(
     sampler, tokenizer, make_env, seeds, group_size, max_turns, max_new_tokens,
-    max_total_tokens, temperature=1.0, top_p=1.0, sample_seed=0, truncated_reward="keep",
-    progress=False,
+    max_total_tokens, temperature=1.0, sample_seed=0, truncated_reward="keep",
 ):
     """Play group_size episodes of every env seed, turn by turn: the trajectories, grouped by
     seed. make_env() returns a fresh env; episode j of seeds[i] is member j of group i. A turn
@@ -258,14 +256,14 @@ def rollout(
     stop_token_ids = [tokenizer.convert_tokens_to_ids(token) for token in STOP_TOKENS]
     episodes = start_episodes(tokenizer, make_env, seeds, group_size, max_total_tokens)
     active = [episode for episode in episodes if not episode[1].truncated]
-    for turn in tqdm(range(max_turns), desc="rollout turns", disable=not progress):
+    for turn in range(max_turns):
         if not active:
             break
         running = [trajectory for _, trajectory, _ in active]
         generations = sampler.generate(
             [trajectory.token_ids for trajectory in running],
             [min(max_new_tokens, max_total_tokens - len(t.token_ids)) for t in running],
-            temperature=temperature, top_p=top_p, stop_token_ids=stop_token_ids,
+            temperature=temperature, stop_token_ids=stop_token_ids,
             seed=[sample_seed_for(sample_seed, t.seed, member, turn) for _, t, member in active],
         )
         texts, closings = [], []

@@ -124,12 +124,13 @@ def warm_up_code_hash():
 
 
 def warm_up(
-    model_name, env_name, env_kwargs, clean_steps=800, steps=150, batch_size=16, lr=1e-3,
-    mistake_rate=0.6, num_episodes=3000, seed=0, device="cpu", world_model=0.0,
+    model_name, env_name, env_kwargs, *, clean_steps, steps, batch_size, lr, mistake_rate,
+    world_model, num_episodes=3000, seed=0, device="cpu",
 ):
     """Warms `model_name` up on `env_name`'s demonstrations: `clean_steps` on correct ones,
     then `steps` on flawed ones (each decision wrong with probability `mistake_rate`), on
-    training seeds only. The checkpoint's path, cached by every argument and the code."""
+    training seeds only. The checkpoint's path, cached by every argument and the code. No
+    defaults here: a run's come from train.get_args, resolved once."""
     env_class = envs.ENVS[env_name]
     # The key names the model (a tiny one by its recipe), not its path: moving the cache
     # must not retrain.

@@ -1,5 +1,6 @@
 """
-Train an LLM agent with multi-turn RL: PPO (with a critic), GRPO / Dr.GRPO, or REINFORCE++.
+Train an LLM agent with multi-turn RL: PPO (with a critic), GRPO / Dr.GRPO, GiGPO (a step
+advantage per repeated state: the games' default), or REINFORCE++.
 
     python train.py                        # the main job: tiny model, multi-hop QA, 2-core CPU
     python train.py --algo ppo --starpo_s  # RAGEN's StarPO-S: critic, top-25% groups, clip 0.2/0.28
@@ -25,7 +26,9 @@ are global, so a step does the same on 1 or N ranks. On GPUs the models are shar
 FSDP2 (nanoagent/parallel.py).
 
 Deliberately left out: sequence packing, tensor/pipeline parallelism, an asynchronous
-rollout/update pipeline, and learning-rate schedules. Everything fits on one screen instead.
+rollout/update pipeline, and learning-rate schedules. The file reads in the step's order:
+flags, set-up, one section per numbered step (its helpers and losses), the end-of-step
+bookkeeping and monitors, then `main`.
 """
 
 import argparse
@@ -72,7 +75,7 @@ from nanoagent.sampler import TorchSampler
 
 # RAGEN's StarPO-S in one flag (--starpo_s); explicit flags override these.
 STARPO_S = {"algo": "ppo", "filter_ratio": 0.25, "clip_low": 0.2, "clip_high": 0.28, "kl": "none"}
-# Defaults of the flags that StarPO-S or an env's `train_defaults` may change.
+# Defaults of the flags that StarPO-S or an env's `train_defaults` may change (eval.py's too).
 DEFAULTS = {"algo": "grpo", "filter_ratio": 1.0, "clip_low": 0.2, "clip_high": 0.2, "kl": "none",
             "model": "tiny", "max_new_tokens": 32, "max_turns": 4, "max_total_tokens": 512,
             "group_size": 8, "warmup_world_model": 0.0, "warmup_clean_steps": 800,
@@ -83,7 +86,8 @@ ROLLOUT_ONLY_FLAGS = ("max_turns", "truncated_reward")
 
 def get_args(argv=None):
     """Parse and check the command line; StarPO-S fills the flags not given."""
-    parser = argparse.ArgumentParser(description="Multi-turn agent RL: PPO, GRPO, REINFORCE++.")
+    parser = argparse.ArgumentParser(
+        description="Multi-turn agent RL: PPO, GRPO, GiGPO, REINFORCE++.")
     add = parser.add_argument
     # Model
     add("--model",
@@ -98,7 +102,7 @@ def get_args(argv=None):
     add("--warmup_steps", type=int, default=150,
         help="then SFT steps on flawed demonstrations (0: no warm-up at all)")
     add("--warmup_mistake_rate", type=float,
-        help="chance each flawed-demonstration decision is wrong (default: 0.6, or the env's)")
+        help="chance each flawed-demonstration decision is wrong (default: the env's, else 0.6)")
     add("--warmup_lr", type=float, default=1e-3, help="the warm-up's learning rate")
     add("--warmup_batch_size", type=int, default=16, help="demonstrations a warm-up step")
     add("--warmup_world_model", type=float,
@@ -226,6 +230,15 @@ def get_args(argv=None):
     world_size = get_dist_info()[3]
     check(args.prompts_per_step % world_size == 0,
           f"--prompts_per_step must divide over {world_size} ranks")
+    check(args.minibatch_size is None or args.minibatch_size >= 1, "--minibatch_size must be >= 1")
+    # the fewest groups a step keeps: StarPO-S's share, or --on_echo_trap stabilize's
+    stabilize = args.on_echo_trap == "stabilize"
+    ratio = min(args.filter_ratio, ECHO_TRAP_FILTER_RATIO if stabilize else 1)
+    fewest_kept = max(1, math.ceil(ratio * args.prompts_per_step)) * args.group_size
+    try:
+        count_minibatches(args, fewest_kept, world_size)
+    except UserError as error:
+        parser.error(f"{error} (a step keeps {fewest_kept} when StarPO-S filters most)")
     check(args.lora_rank >= 0, "--lora_rank must be 0 (off) or a positive rank")
     check(args.critic_warmup == 0 or args.algo == "ppo",
           "--critic_warmup needs a critic (--algo ppo)")
@@ -314,12 +327,14 @@ def set_up(args):
         server = Server(
             sampler, tokenizer, args.max_new_tokens, args.max_total_tokens, args.temperature
         )
-    check_prompts_fit(make_env, tokenizer, args)
+    if not args.agent:  # an --agent program writes its own prompts
+        check_prompts_fit(make_env, tokenizer, args)
     logger = None
     if args.wandb and rank == 0:
         import wandb  # optional: only when asked for
         logger = wandb.init(project=args.wandb, config=vars(args))
-    if rank == 0:
+    print0(f"settings: {json.dumps(vars(args))}")  # resolved once (get_args); saved beside
+    if rank == 0:  # the metrics, and in each checkpoint's trainer state
         (Path(args.out_dir) / "args.json").write_text(json.dumps(vars(args), indent=2))
     history = trainer_state["history"] if trainer_state else []
     control = (  # checkpointed, so a resumed run keeps what it changed
@@ -557,10 +572,11 @@ def count_minibatches(args, num_kept, world_size):
     holds, or none does (a lone one hangs the rest)."""
     num_minibatches = math.ceil(num_kept / (args.minibatch_size or num_kept))
     fewest_rows = num_kept // world_size
-    assert fewest_rows >= num_minibatches, (
-        f"a rank holds {fewest_rows} trajectories for {num_minibatches} minibatches: "
-        "raise --minibatch_size or --prompts_per_step"
-    )
+    if fewest_rows < num_minibatches:  # checked at start (get_args) for the groups a step keeps
+        raise UserError(
+            f"a rank holds {fewest_rows} trajectories for {num_minibatches} minibatches: "
+            "raise --minibatch_size or --prompts_per_step"
+        )
     return num_minibatches
 
 
@@ -834,7 +850,7 @@ def evaluate_held_out(sampler, tokenizer, args, rank=0, world_size=1, device="cp
     """Held-out success rate and mean score at the training temperature, over all ranks; with a
     `server`, the --agent program plays (a failed episode is left out)."""
     # search_qa, math: rows of the held-out split (envs.read_rows: each dataset's own)
-    seeds = list(envs.eval_seeds(args.eval_episodes))[rank::world_size]
+    seeds = list(envs.eval_seeds(args.eval_episodes, args.env))[rank::world_size]
     if server is not None:
         trajectories = server.play(
             args.agent, seeds, 1, args.agent_timeout, sample_seed=args.seed + 1
@@ -939,7 +955,7 @@ def recent_change(history, key, window=5):
 # (RAGEN) and a collapse. The leading signals studied (RAGEN-2's retrieval accuracy,
 # gradient-norm spikes, ...) are logged, not warned on: none led a collapse at this
 # scale without also firing on healthy runs. How each did: docs/results.md, "The
-# monitor on healthy runs" and "Which signals lead a collapse".
+# monitor on healthy runs", and docs/papers.md, "Which signals lead a collapse".
 COLLAPSE_FLOOR, COLLAPSE_BEST, STALLED_SUCCESS = 0.5, 0.2, 0.2
 
 

@@ -308,7 +308,8 @@ def profile_warm_up(args, steps, device):
             profiling(profile, warm_up_parts(profile)):
         start = time.perf_counter()
         sft.warm_up(model, args.env, args.env_options, clean_steps=steps, steps=steps, lr=args.warmup_lr,
-                    mistake_rate=args.warmup_mistake_rate, seed=args.seed, device=device)
+                    batch_size=args.warmup_batch_size, mistake_rate=args.warmup_mistake_rate,
+                    world_model=args.warmup_world_model, seed=args.seed, device=device)
         return profile, time.perf_counter() - start
 
 

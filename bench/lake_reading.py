@@ -1,5 +1,5 @@
 """
-Probe: what holds the tiny model back on FrozenLake (docs/results.md, RAGEN's games).
+Probe: what holds the tiny model back on FrozenLake (docs/games.md).
 
 Warms a model up on correct FrozenLake demonstrations alone (sft.warm_up, one phase, no flawed
 demonstrations), then reports two things on the held-out maps:

@@ -1,7 +1,7 @@
 """
 Reproduce the papers' findings at laptop scale: Agent-R1's table, RAGEN's Echo Trap and rollout shaping, the
 action-mask ablation, and which signals lead a collapse (RAGEN-2), on the tiny model, on CPU. One command per
-study (docs/results.md, "Reproducing the papers"):
+study (docs/papers.md):
 
     python bench/reproduce.py agent_r1        # GRPO / PPO / REINFORCE++ vs Base Tool Call, Naive RAG, No Retrieval
     python bench/reproduce.py echo_trap       # vanilla GRPO and PPO vs StarPO-S and --on_echo_trap stabilize
@@ -265,7 +265,7 @@ def mask_ablation(out, seeds, steps, episodes):
 
 # -----------------------------------------------------------------------------
 # Which signals lead a collapse: each signal train.py logs, with the direction that warns and a threshold fitted
-# on one set of seeds, then counted on fresh ones (docs/results.md, "Which signals lead a collapse").
+# on one set of seeds, then counted on fresh ones (docs/papers.md, "Which signals lead a collapse").
 
 SIGNALS = {"retrieval_accuracy": -1, "mutual_information": -1, "zero_variance_groups": +1,  # metric -> +1: a rise
            "response_tokens_change": +1, "turns_change": -1, "void_turns": +1, "invalid_call_rate": +1,  # warns,

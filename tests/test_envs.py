@@ -34,20 +34,19 @@ def test_normalize_answer_follows_squad():
     assert envs.normalize_answer("12,345") == "12345"
 
 
-def test_exact_match_f1_and_substring_scores():
+def test_exact_match_and_f1_scores():
     assert envs.exact_match("the Danube", ["Danube"]) == 1.0
     assert envs.exact_match("Danube river", ["Danube"]) == 0.0
     assert envs.exact_match("sol", ["Peruvian sol", "sol"]) == 1.0  # any alias counts
     assert envs.f1_score("Peruvian sol currency", ["Peruvian sol"]) == pytest.approx(0.8)  # p = 2/3, r = 1
     assert envs.f1_score("sol", ["Peruvian sol", "boliviano"]) == pytest.approx(2 / 3)  # p = 1, r = 1/2
     assert envs.f1_score("Rhine", ["Danube"]) == 0.0
-    assert envs.substring_match("it is the Danube river", ["Danube"]) == 1.0
-    assert envs.substring_match("10", ["1"]) == 0.0  # whole words only
 
 
 def test_eval_seeds_are_disjoint_from_training_seeds():
     assert list(envs.eval_seeds(3)) == [10_000_000, 10_000_001, 10_000_002]
     assert envs.EVAL_SEED_START == 10_000_000
+    assert list(envs.eval_seeds(2, "math")) == [0, 1]  # a dataset's held-out rows, from the first
 
 # -----------------------------------------------------------------------------
 # Synthetic multi-hop QA
@@ -744,7 +743,7 @@ def test_games_are_deterministic_and_require_think_works():
     assert env.step("<answer>Up</answer>").info["format_error"]
     assert not env.step("<think>wall above?</think><answer>Up</answer>").info["format_error"]
     # Nothing may follow the answer: RL would otherwise reinforce whatever a winning reply trails
-    # (docs/results.md, "Predicting the next grid").
+    # (docs/games.md, "Predicting the next grid").
     trailing = env.step("<think>go</think><answer>Up</answer>GGGG\nDownDown")
     assert trailing.info["format_error"] and trailing.info["actions"] == 0 and trailing.reward == -0.1
     assert not env.step("<think>go</think> <answer>Up</answer> \n").info["format_error"]

@@ -14,7 +14,9 @@ import envs
 import eval as evaluation
 import rollout
 import tools
+import train
 from nanoagent import models
+from nanoagent.common import UserError
 from nanoagent.sampler import Generation, per_row
 
 REPO = Path(__file__).resolve().parent.parent
@@ -67,7 +69,7 @@ class QuizEnv(envs.ToolEnv):
         return f"Question {self.seed}?", answers, [tools.calculator_tool()]
 
 
-def test_summarize_hand_made_transcripts_through_rollout(tokenizer):
+def test_table_row_of_hand_made_transcripts_through_rollout(tokenizer):
     # (env seed, member) -> the assistant's turns; the episodes run through the real rollout() and env.
     transcripts = {
         (0, 0): ["<answer>paris</answer>"],  # EM 1, F1 1
@@ -84,7 +86,7 @@ def test_summarize_hand_made_transcripts_through_rollout(tokenizer):
     sampler = ScriptedSampler(tokenizer, script)
     trajectories = rollout.rollout(sampler, tokenizer, lambda: QuizEnv(max_turns=2), [0, 1], group_size=2, max_turns=2,
                                    max_new_tokens=64, max_total_tokens=4096, sample_seed=0)
-    row = evaluation.summarize(trajectories)
+    row = evaluation.table_row(trajectories)
     # By hand: rewards 1.0 | 0.0 (ok call, wrong answer) | -0.1 (all calls invalid) + 1.0 | -0.1 - 0.1
     expected = {"episodes": 4, "success": 0.5, "em": 0.5, "f1": (1 + 2 / 3 + 1 + 0) / 4,
                 "reward": (1.0 + 0.0 + 0.9 - 0.2) / 4, "reward_std": statistics.pstdev([1.0, 0.0, 0.9, -0.2]),
@@ -170,6 +172,37 @@ def test_multi_model_table_with_baselines_end_to_end_on_tiny_checkpoints(tmp_pat
     table = lines[[line.split()[:2] for line in lines].index(["model", "setting"]):]
     assert sum(line.startswith(str(model_a)) for line in table) == 3
     assert sum(line.startswith(str(model_b)) for line in table) == 3
+
+# A run's own settings: eval.py on a run's checkpoint plays the run's game, as the run evaluated itself
+
+
+@pytest.mark.parametrize("env", sorted(name for name, env in envs.ENVS.items() if env.train_defaults))
+def test_a_runs_checkpoint_evaluated_bare_gives_the_runs_last_held_out_number(env, tmp_path):
+    # Random tiny weights (no warm-up), one RL step, then the checkpoint evaluated with no flag but --model: the
+    # same seeds, turns, token budgets, temperature and sampling seeds give the same episodes, so the same numbers.
+    _, history = train.main(["--env", env, "--warmup_steps", "0", "--steps", "1", "--prompts_per_step", "2",
+                             "--group_size", "2", "--eval_every", "1", "--eval_episodes", "8", "--save_every", "1",
+                             "--seed", "5", "--out_dir", str(tmp_path / "run")])
+    out = tmp_path / "eval.json"
+    args = evaluation.main(["--model", str(tmp_path / "run" / "step_000001"), "--json", str(out)])
+    [row] = json.loads(out.read_text())
+    defaults = {**train.DEFAULTS, **envs.ENVS[env].train_defaults}
+    assert (args.env, args.max_turns, args.max_total_tokens) == (env, defaults["max_turns"], defaults["max_total_tokens"])
+    assert (row["episodes"], row["temp"], args.sample_seed) == (8, 1.0, 6)
+    assert row["success"] == history[-1]["eval_success"]
+    # The same scores: the run sums them over ranks in floats, rollout.summarize takes their exact mean.
+    assert row["reward"] == pytest.approx(history[-1]["eval_score"], rel=0, abs=1e-12)
+
+
+def test_an_env_is_evaluated_in_the_settings_it_trains_in_and_flags_still_win():
+    args = evaluation.get_args(["--model", "tiny", "--env", "sokoban"])  # SokobanEnv() alone plays 10 turns
+    assert (args.max_turns, args.env_options["max_turns"], args.max_new_tokens, args.max_total_tokens) == (5, 5, 32, 640)
+    assert (args.temperature, args.n, args.sample_seed, args.seed_start) == ([0.0], 256, 0, envs.EVAL_SEED_START)
+    args = evaluation.get_args(["--model", "tiny", "--env", "sokoban", "--max_turns", "3", "--max_new_tokens", "9"])
+    assert (args.max_turns, args.env_options["max_turns"], args.max_new_tokens) == (3, 3, 9)
+    assert evaluation.get_args(["--model", "tiny", "--env", "math"]).seed_start == 0  # row 0 of the held-out split
+    with pytest.raises(UserError, match="JSON object"):
+        evaluation.get_args(["--model", "tiny", "--env_options", "[1]"])
 
 # -----------------------------------------------------------------------------
 # Chat

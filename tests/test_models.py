@@ -58,14 +58,14 @@ def test_tiny_models_by_name_and_the_envs_defaults(tmp_path, monkeypatch):
     lake = train.get_args(["--env", "frozen_lake"])  # the games predict their next grids while warming up
     assert (sokoban.warmup_world_model, lake.warmup_world_model, default.warmup_world_model) == (1.0, 1.0, 0.0)
     # The games warm up on correct demonstrations three and six times as long: RL ends higher
-    # (docs/results.md)
+    # (docs/games.md)
     assert (lake.warmup_clean_steps, sokoban.warmup_clean_steps, default.warmup_clean_steps) == (2400, 4800, 800)
     # The games' states repeat within a group: GiGPO's step credit and its discount, both games at a
-    # lower rate (docs/results.md); the default env keeps GRPO
+    # lower rate (docs/games.md); the default env keeps GRPO
     assert (sokoban.algo, sokoban.gamma, lake.algo, lake.gamma) == ("gigpo", 0.95, "gigpo", 0.95)
     assert (sokoban.lr, lake.lr) == (2e-4, 2e-4)
     assert (default.algo, default.gamma) == ("grpo", 1.0)
-    # Slippery ice keeps FrozenLake's recipe but warms up on fewer mistakes, in groups of 16 (docs/results.md)
+    # Slippery ice keeps FrozenLake's recipe but warms up on fewer mistakes, in groups of 16 (docs/games.md)
     slippery = train.get_args(["--env", "frozen_lake_slippery"])
     recipes = [(args.warmup_mistake_rate, args.group_size) for args in (slippery, lake)]
     assert recipes == [(0.1, 16), (0.3, 8)]

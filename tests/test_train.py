@@ -257,6 +257,12 @@ def test_prompts_that_do_not_split_over_the_ranks_fail_at_start_with_their_messa
     with pytest.raises(SystemExit):  # an argparse error: one line, before any process group (no traceback)
         train.get_args(["--prompts_per_step", "5"])
     assert "error: --prompts_per_step must divide over 2 ranks" in capsys.readouterr().err
+    # 2 groups of 3 split 3 and 3 into 2 minibatches each; StarPO-S may keep 1 group: 2 rows and 1 on a rank
+    flags = ["--prompts_per_step", "2", "--group_size", "3", "--minibatch_size", "2"]
+    assert train.get_args(flags).minibatch_size == 2
+    with pytest.raises(SystemExit):
+        train.get_args(flags + ["--starpo_s"])
+    assert "a rank holds 1 trajectories for 2 minibatches" in capsys.readouterr().err
 
 
 def test_gigpo_discounts_its_step_returns_by_default_and_explicit_flags_win():
@@ -613,7 +619,7 @@ def test_grpo_learns_frozen_lake_turn_by_turn(tmp_path):
     # correct are too few: no gain), and GRPO at lr 5e-4, what it was measured with (the game's GiGPO at
     # 2e-4 climbs further over 100 steps, more slowly over 20). RL sharpens the paths it walks: held-out
     # success (128 maps) over its warm-up's at step 10 or 20. Measured over RL seeds 0-3 with native and AVX2
-    # kernels, every run gained 0.17 or more (docs/results.md, "The game test"); without learning, a
+    # kernels, every run gained 0.17 or more (docs/games.md, "The game test"); without learning, a
     # gain over 0.1 comes by chance about once in 12. The test tries RL seeds until one gains, at most 3.
     lake = ["--env", "frozen_lake", "--warmup_clean_steps", "400", "--warmup_steps", "100", "--lr", "5e-4",
             "--algo", "grpo"]
