@@ -764,12 +764,12 @@ def wait_for(n):
 def test_a_program_is_killed_with_everything_it_started_at_its_time_out_and_when_it_exits(tmp_path):
     tokenizer = tiny_tokenizer()
     server, _ = serving(ScriptedSampler(tokenizer, scripted_replies(tokenizer)), tokenizer)
-    spawner = program(tmp_path, "spawner", sleepers_reporting_to(tmp_path) + f"""
+    spawner = program(tmp_path, "spawner", sleepers_reporting_to(tmp_path) + """
 subprocess.Popen(sleeper)
 wait_for(1)
 if os.environ["NANOAGENT_TASK_SEED"] == "0":
     time.sleep(600)  # hangs: killed at the time-out
-print('{{"reward": 1.0}}')  # leaves its helper running
+print('{"reward": 1.0}')  # leaves its helper running
 """)
     with pytest.raises(UserError, match="every group"):  # neither made a request
         server.play(spawner, [0, 1], group_size=1, timeout_s=5)
@@ -787,7 +787,7 @@ def test_children_that_leave_the_session_and_keep_stdout_open_neither_hold_play_
     # namespaces are refused nothing finds the last one, but play stops reading a second after the kill all the same.
     tokenizer = tiny_tokenizer()
     server, _ = serving(ScriptedSampler(tokenizer, scripted_replies(tokenizer)), tokenizer)
-    detacher = program(tmp_path, "detacher", sleepers_reporting_to(tmp_path) + f"""
+    detacher = program(tmp_path, "detacher", sleepers_reporting_to(tmp_path) + """
 subprocess.Popen(sleeper, start_new_session=True)
 wait_for(1)
 if os.fork() == 0:
@@ -797,11 +797,11 @@ if os.fork() == 0:
     os._exit(0)
 os.wait()
 wait_for(2)
-subprocess.Popen(sleeper, start_new_session=True, env={{}})  # the last line of pids-<seed>
+subprocess.Popen(sleeper, start_new_session=True, env={})  # the last line of pids-<seed>
 wait_for(3)
 if os.environ["NANOAGENT_TASK_SEED"] == "0":
     time.sleep(600)  # hangs: killed at the time-out
-print('{{"reward": 1.0}}')
+print('{"reward": 1.0}')
 """)
     start = time.monotonic()
     started = []
