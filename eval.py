@@ -278,7 +278,8 @@ def get_args(argv=None):
         help="seeds the sampling (default: as the run evaluated, else 0)")
     # Environment and data
     add("--env", choices=sorted(envs.ENVS), help="default: the run's, else synthetic_qa")
-    add("--env_options", help='JSON constructor options, e.g. \'{"hops": 3}\'')
+    add("--env_options", type=common.json_object,
+        help='JSON constructor options, e.g. \'{"hops": 3}\'')
     add("--max_turns", type=int, help="default: as training")
     add("--data",
         help="search_qa, math: Hub name, local dataset directory or .json/.jsonl/.parquet "
@@ -332,15 +333,7 @@ def resolve_settings(args):
     args.data = args.data or "hotpotqa"
     if args.sample_seed is None:
         args.sample_seed = run["seed"] + 1 if run else 0  # train.evaluate_held_out's
-    options = args.env_options if isinstance(args.env_options, dict) else None
-    if options is None:
-        try:
-            options = json.loads(args.env_options or "{}")
-        except json.JSONDecodeError as error:
-            raise UserError(f"--env_options is not valid JSON ({error})") from error
-    if not isinstance(options, dict):
-        raise UserError(f"--env_options must be a JSON object, got {args.env_options!r}")
-    args.env_options = {"max_turns": defaults["max_turns"], **options}
+    args.env_options = {"max_turns": defaults["max_turns"], **(args.env_options or {})}
     if args.max_turns is not None:
         args.env_options["max_turns"] = args.max_turns
     args.max_turns = args.env_options["max_turns"]

@@ -57,7 +57,7 @@ from nanoagent.checkpoint import (
 )
 from nanoagent.common import (
     UserError, autodetect_device_type, autodetect_dtype, compute_cleanup, compute_init,
-    get_dist_info, print0, rng_state, seed_everything, set_rng_state,
+    get_dist_info, json_object, print0, rng_state, seed_everything, set_rng_state,
 )
 from nanoagent.lora import add_lora
 from nanoagent.models import (
@@ -109,7 +109,8 @@ def get_args(argv=None):
         help="weight of a loss on the env's replies (default: 0, or the env's)")
     # Environment
     add("--env", default="synthetic_qa", choices=sorted(envs.ENVS))
-    add("--env_options", default="{}", help='JSON constructor options, e.g. \'{"hops": 3}\'')
+    add("--env_options", type=json_object, default="{}",
+        help='JSON constructor options, e.g. \'{"hops": 3}\'')
     add("--data",
         help="search_qa, math: Hub name (hotpotqa, gsm8k, ...) or local .json/.jsonl/.parquet")
     add("--retriever", help="search_qa: search a shared corpus, an index directory "
@@ -208,13 +209,7 @@ def get_args(argv=None):
     def check(condition, message):
         if not condition:
             parser.error(message)
-    try:
-        env_options = json.loads(args.env_options)
-    except json.JSONDecodeError as error:
-        parser.error(f"--env_options is not valid JSON ({error}): {args.env_options!r}")
-    check(isinstance(env_options, dict),
-          f"--env_options must be a JSON object, got {args.env_options!r}")
-    args.env_options = {"max_turns": args.max_turns, **env_options}
+    args.env_options = {"max_turns": args.max_turns, **args.env_options}
     if args.retriever:
         args.env_options["retriever"] = args.retriever
     check(0 < args.filter_ratio <= 1, f"--filter_ratio must be in (0, 1], got {args.filter_ratio}")

@@ -8,7 +8,9 @@ it is one process on the best device; under torchrun it joins the process group
 runs on 8 GPUs per node, or several nodes, unchanged.
 """
 
+import argparse
 import datetime
+import json
 import os
 import random
 
@@ -19,6 +21,17 @@ import torch.distributed as dist
 class UserError(RuntimeError):
     """Something the user must fix: a flag, a data file, a directory, a full disk.
     The scripts print its message (what to change) and exit, without a traceback."""
+
+
+def json_object(text):
+    """argparse's type for a flag that holds a JSON object (--env_options)."""
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as error:
+        raise argparse.ArgumentTypeError(f"not valid JSON ({error}): {text!r}") from error
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"must be a JSON object, got {text!r}")
+    return value
 
 
 def get_dist_info():

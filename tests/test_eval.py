@@ -16,7 +16,6 @@ import rollout
 import tools
 import train
 from nanoagent import models
-from nanoagent.common import UserError
 from nanoagent.sampler import Generation, per_row
 
 REPO = Path(__file__).resolve().parent.parent
@@ -203,8 +202,8 @@ def test_an_env_is_evaluated_in_the_settings_it_trains_in_and_flags_still_win():
     args = evaluation.get_args(["--model", "tiny", "--env", "sokoban", "--max_turns", "3", "--max_new_tokens", "9"])
     assert (args.max_turns, args.env_options["max_turns"], args.max_new_tokens) == (3, 3, 9)
     assert evaluation.get_args(["--model", "tiny", "--env", "math"]).seed_start == 0  # row 0 of the held-out split
-    with pytest.raises(UserError, match="JSON object"):
-        evaluation.get_args(["--model", "tiny", "--env_options", "[1]"])
+    args = evaluation.get_args(["--model", "tiny", "--env_options", '{"hops": 3}', "--max_turns", "2"])
+    assert args.env_options == {"max_turns": 2, "hops": 3}
 
 # -----------------------------------------------------------------------------
 # Chat
