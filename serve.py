@@ -381,20 +381,10 @@ class Server:
         conversation.busy = False
         wanted = body.get("logprobs")
         pieces = [self.tokenizer.decode([token]) for token in sampled] if wanted else []
-        return {
-            "id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion",
-            "created": int(time.time()), "model": self.model_name,
-            "choices": [{
-                "index": 0, "message": message, "finish_reason": finish_reason,
-                "logprobs": {"content": [  # the log-probs the trajectory records
-                    {"token": piece, "logprob": logprob, "bytes": list(piece.encode()),
-                     "top_logprobs": []} for piece, logprob in zip(pieces, logprobs)
-                ]} if wanted else None,
-            }],
-            "usage": {
-                "prompt_tokens": length, "completion_tokens": len(generation.token_ids),
-                "total_tokens": length + len(generation.token_ids)},
-        }
+        return chat_completion(
+            self.model_name, message, finish_reason, length, len(generation.token_ids),
+            list(zip(pieces, logprobs)) if wanted else None,
+        )
 
     def record(self, conversation, new_messages, new_tokens, generation, stop, opening, parse):
         """Append the new messages' tokens (mask 0), the sampled turn (mask 1, with its
@@ -597,6 +587,25 @@ def own_pid_namespace() -> list[str]:
         " program; allow user namespaces (sysctl kernel.unprivileged_userns_clone=1)",
         RuntimeWarning, stacklevel=2)
     return []
+
+
+def chat_completion(model_name, message, finish_reason, prompt_tokens, completion_tokens, logprobs):
+    """OpenAI's chat completion body; logprobs: the (token's text, log-prob) pairs the
+    trajectory records, or None when not asked for."""
+    return {
+        "id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion",
+        "created": int(time.time()), "model": model_name,
+        "choices": [{
+            "index": 0, "message": message, "finish_reason": finish_reason,
+            "logprobs": None if logprobs is None else {"content": [
+                {"token": piece, "logprob": logprob, "bytes": list(piece.encode()),
+                 "top_logprobs": []} for piece, logprob in logprobs
+            ]},
+        }],
+        "usage": {
+            "prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens},
+    }
 
 
 class HTTPServer(ThreadingHTTPServer):

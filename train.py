@@ -14,7 +14,7 @@ advantage per repeated state: the games' default), or REINFORCE++.
 One step, top to bottom (`main`): 1. rollout (rollout.py), 2. StarPO-S filter, 3. score
 (old and reference log-probs, values), 4. credit over agent tokens only (masks.py), 5.
 PPO-clip update through the action mask, 6. sync the sampler's weights, 7. log, Echo-Trap
-monitors (RAGEN), eval, atomic checkpoints.
+monitors (RAGEN; monitors.py), eval, atomic checkpoints.
 
 The tiny model starts from random weights, so the default run first does a short,
 cached supervised warm-up (sft.py); pass --warmup_steps 0 for an instruct model that
@@ -39,7 +39,6 @@ import statistics
 import sys
 import tempfile
 import time
-from collections import Counter
 from pathlib import Path
 
 import torch
@@ -50,6 +49,10 @@ import envs
 import masks
 import rollout
 import sft
+from monitors import (
+    ECHO_TRAP_FILTER_RATIO, cross_prompt_logprobs, mean_anchor_group_size, monitor_warnings,
+    prompt_dependence, recent_change, stabilize_on_echo_trap, zero_variance_share,
+)
 from serve import Server
 from nanoagent.checkpoint import (
     finish_checkpoint, latest_checkpoint, load_trainer_state, load_training_states,
@@ -61,11 +64,11 @@ from nanoagent.common import (
 )
 from nanoagent.lora import add_lora
 from nanoagent.models import (
-    load_critic, load_model, resolve_model_path, sample_as_trained, shared_prompt_hidden,
+    critic_values, load_critic, load_model, resolve_model_path, sample_as_trained,
+    token_logprobs,
 )
 from nanoagent.parallel import (
-    clip_gradients, forward_through_root, gather_objects, is_sharded, shard_model,
-    sum_over_ranks, sums_over_ranks,
+    clip_gradients, gather_objects, is_sharded, shard_model, sum_over_ranks, sums_over_ranks,
 )
 from nanoagent.report import TRAJECTORIES, append_jsonl, trajectory_records
 from nanoagent.sampler import TorchSampler
@@ -549,7 +552,8 @@ def keep_high_variance_groups(trajectories, filter_ratio):
     return sorted((t for t in trajectories if t.group_id in kept), key=lambda t: t.group_id)
 
 # -----------------------------------------------------------------------------
-# Steps 3 and 5: log-probs and values of a batch
+# Steps 3 and 5: log-probs and values of a batch (the forward passes: token_logprobs and
+# critic_values, nanoagent/models.py)
 
 
 def is_single_update(args, num_rows, step):
@@ -573,59 +577,6 @@ def count_minibatches(args, num_kept, world_size):
             "raise --minibatch_size or --prompts_per_step"
         )
     return num_minibatches
-
-
-def token_logprobs(
-    model, input_ids, attention_mask, temperature, positions=None, with_entropy=False,
-    prompt_lengths=None,
-):
-    """Log-prob of every token given the ones before, at the sampling temperature (as the
-    sampler reports it): (B, T-1), aligned with input_ids[:, 1:]. With `positions` (B, T-1),
-    only those go through the LM head, most of a small model's work (the others are 0). With
-    `prompt_lengths` (B,), rows share their prompt's pass and `positions` must skip it."""
-    assert getattr(model.config, "final_logit_softcapping", None) is None, (
-        "logits = lm_head(hidden) is assumed"
-    )
-    keep = (attention_mask[:, 1:] if positions is None else positions).bool()  # (B, T-1)
-
-    def kept_logits():  # (K, V), K kept positions: the body, then the head on those only
-        if prompt_lengths is None:
-            hidden = model.base_model(input_ids=input_ids, attention_mask=attention_mask)
-            hidden = hidden.last_hidden_state
-        else:
-            columns = torch.arange(keep.shape[1], device=keep.device)
-            in_prompt = columns < prompt_lengths[:, None] - 1  # (B, T-1)
-            assert not (keep & in_prompt).any(), (
-                "with prompt_lengths, positions must leave out the prompt"
-            )
-            hidden = shared_prompt_hidden(model, input_ids, attention_mask, prompt_lengths)
-        return model.get_output_embeddings()(hidden[:, :-1][keep])  # hidden: (B, T, D)
-    # (K, V); one forward under FSDP
-    logits = forward_through_root(model, kept_logits).float() / temperature
-    logprobs_all = torch.log_softmax(logits, dim=-1)
-    logprobs = torch.zeros(keep.shape, dtype=logits.dtype, device=logits.device)  # (B, T-1)
-    logprobs[keep] = logprobs_all.gather(-1, input_ids[:, 1:][keep, None]).squeeze(-1)
-    entropy = None
-    if with_entropy:
-        entropy = torch.zeros_like(logprobs)  # (B, T-1)
-        entropy[keep] = -(logprobs_all.exp() * logprobs_all).sum(-1)
-    return logprobs, entropy
-
-
-def critic_values(critic, input_ids, attention_mask, prompt_lengths=None):
-    """V(state after token t) for every t: (B, T); [:, :-1] is aligned like token_logprobs.
-    With prompt_lengths, rows share their prompt's pass (values inside it are garbage)."""
-    def flat_values():
-        # (B*T, 1): the token classifier's head (no dropout) on flattened hidden states, so
-        # that a sharded root returns no view (FSDP2 warns: an in-place op on a view would
-        # drop its backward hook)
-        if prompt_lengths is None:
-            hidden = critic.base_model(input_ids=input_ids, attention_mask=attention_mask)
-            hidden = hidden.last_hidden_state
-        else:
-            hidden = shared_prompt_hidden(critic, input_ids, attention_mask, prompt_lengths)
-        return critic.score(hidden.flatten(0, 1))
-    return forward_through_root(critic, flat_values).view(input_ids.shape).float()
 
 
 def bootstrap_values(values, attention_mask, truncated):
@@ -750,7 +701,7 @@ def policy_loss(
     return masks.aggregate_loss(per_token, mask, loss_agg, norm_constant, global_sum), ratio
 
 # -----------------------------------------------------------------------------
-# Step 7: metrics, monitors, eval, checkpoint
+# Step 7: metrics, monitors (monitors.py), eval, checkpoint
 
 
 def end_of_step(run, args, step, trajectories, kept, scored, shares, overall, probe, progress):
@@ -771,10 +722,11 @@ def end_of_step(run, args, step, trajectories, kept, scored, shares, overall, pr
         f"{key}_max": max(sums_over_ranks(shares[key], run.device), default=0.0)
         for key in ("approx_kl", "clip_fraction")
     })
-    group_reward_std = statistics.fmean(group_reward_stds(trajectories).values())
+    group_stds = group_reward_stds(trajectories)  # before the filter
     metrics = {
-        **rollout.summarize(trajectories), "group_reward_std": group_reward_std,
-        "zero_variance_groups": zero_variance_share(trajectories),
+        **rollout.summarize(trajectories),
+        "group_reward_std": statistics.fmean(group_stds.values()),
+        "zero_variance_groups": zero_variance_share(group_stds),
         "anchor_group_size": mean_anchor_group_size(trajectories), **prompt_dependence(probe),
     }
     metrics = {
@@ -863,144 +815,6 @@ def evaluate_held_out(sampler, tokenizer, args, rank=0, world_size=1, device="cp
         len(trajectories),
     ], device)
     return {"eval_success": successes / count, "eval_score": score / count}
-
-
-# Candidate early signs of collapse, logged every step; bench/reproduce.py collapse_signals
-# measures which lead. The probe costs N^2 short rows.
-PROBE_PROMPTS = 8
-
-
-def cross_prompt_logprobs(
-    model, trajectories, pad_token_id, temperature, share_prompts, device,
-    num_prompts=PROBE_PROMPTS,
-):
-    """RAGEN-2's cross-scoring (arXiv 2604.06268): the first turn of one episode of each of
-    the first `num_prompts` distinct prompts, teacher-forced after each of those prompts:
-    (N, N), [i, j] the mean log-prob per token of response j after prompt i, on every rank;
-    None with fewer than 2 prompts. First turns only: later ones read their episode's
-    observations, which give its prompt away."""
-    episodes = {}  # prompt tokens -> the first episode that played a turn after it
-    for t in trajectories:
-        if t.num_turns > 0 and len(episodes) < num_prompts:
-            episodes.setdefault(tuple(t.token_ids[:t.prompt_length]), t)
-    if len(episodes) < 2:
-        return None
-    prompts = [list(prompt) for prompt in episodes]
-    responses = [
-        t.token_ids[t.prompt_length:t.turn_end_positions[0] + 1] for t in episodes.values()
-    ]
-    rows = [prompt + response for prompt in prompts for response in responses]  # i * N + j
-    input_ids = masks.padded(rows, fill=pad_token_id).to(device)  # (N*N, T)
-    attention_mask = masks.padded([[1] * len(row) for row in rows]).to(device)  # (N*N, T)
-    prompt_lengths = torch.tensor(  # (N*N,)
-        [len(prompt) for prompt in prompts for _ in responses], device=device
-    )
-    # (T-1,): column t predicts token t + 1; positions: the responses' tokens
-    columns = torch.arange(input_ids.shape[1] - 1, device=device)
-    positions = attention_mask[:, 1:] * (columns >= prompt_lengths[:, None] - 1)
-    logprobs = token_logprobs(  # (N*N, T-1)
-        model, input_ids, attention_mask, temperature, positions,
-        prompt_lengths=prompt_lengths if share_prompts else None,
-    )[0]
-    return (logprobs.sum(dim=1) / positions.sum(dim=1)).view(len(prompts), len(prompts))
-
-
-def prompt_dependence(logprobs):
-    """RAGEN-2's template-collapse signals from the (N, N) matrix [i, j] = log p(r_j | x_i):
-    retrieval_accuracy, the share of responses whose own prompt scores them highest (chance
-    1/N), and the mutual information mean_j [log p(r_j | x_j) - log (1/N) sum_i p(r_j |
-    x_i)], 0 when responses ignore their prompts. Both fall before success does, RAGEN-2
-    reports, while entropy stays high. {} without a matrix."""
-    if logprobs is None:
-        return {}
-    n = logprobs.shape[0]
-    # (N,) log p(r_j) under the mixture of prompts
-    marginal = torch.logsumexp(logprobs, dim=0) - math.log(n)
-    own_best = logprobs.argmax(dim=0) == torch.arange(n, device=logprobs.device)  # (N,)
-    return {
-        "retrieval_accuracy": own_best.float().mean().item(), "retrieval_chance": 1 / n,
-        "mutual_information": (logprobs.diagonal() - marginal).mean().item(),
-    }
-
-
-def zero_variance_share(trajectories):
-    """The share of groups whose members all scored alike, before any filter: they give GRPO
-    no gradient (with success rate p and group size g, a group has signal with probability
-    1 - p^g - (1-p)^g); when most are, KL and entropy drive the update (arXiv 2606.18487)."""
-    return statistics.fmean(std == 0 for std in group_reward_stds(trajectories).values())
-
-
-def mean_anchor_group_size(trajectories):
-    """How many turns of its group met each turn's state, on average (1: none repeats)."""
-    anchors = masks.anchor_groups(trajectories)
-    sizes = Counter(anchors)
-    return statistics.fmean(sizes[anchor] for anchor in anchors) if anchors else 0.0
-
-
-def recent_change(history, key, window=5):
-    """history[-1][key] against its mean over the `window` steps before (0.5: up 50%). Response
-    length jumped (verl-agent#188, rllm#226) and turns dropped as tool calls stopped (verl
-    PR#4998) ahead of collapses."""
-    before = [h[key] for h in history[-window - 1:-1] if key in h]
-    baseline = statistics.fmean(before) if before else 0.0
-    return history[-1][key] / baseline - 1 if baseline else 0.0
-
-
-# The monitor warns on two states, named apart (its messages say each): the Echo Trap
-# (RAGEN) and a collapse. The leading signals studied (RAGEN-2's retrieval accuracy,
-# gradient-norm spikes, ...) are logged, not warned on: none led a collapse at this
-# scale without also firing on healthy runs. How each did: docs/results.md, "The
-# monitor on healthy runs", and docs/papers.md, "Which signals lead a collapse".
-COLLAPSE_FLOOR, COLLAPSE_BEST, STALLED_SUCCESS = 0.5, 0.2, 0.2
-
-
-def monitor_warnings(history, window=5):
-    """{signal: message} after the last step, on `window`-step means: "stalled" (the Echo
-    Trap) or "collapse"; a message says what it measured, its record, and what to try."""
-    def smoothed(key, end):
-        return statistics.fmean(h[key] for h in history[max(0, end - window):end])
-    warnings, steps = {}, len(history)
-    if steps < 2 * window:
-        return warnings
-    now, success = smoothed("group_reward_std", steps), smoothed("success", steps)
-    peak = max(smoothed("group_reward_std", end) for end in range(window, steps + 1))
-    best = max(smoothed("success", end) for end in range(window, steps + 1))
-    if peak > 0.05 and now < 0.2 * peak and success < STALLED_SUCCESS:
-        warnings["stalled"] = (
-            f"group_reward_std {now:.3f} ({window}-step mean) is below 0.2x its peak "
-            f"{peak:.3f} while success {success:.2f} < {STALLED_SUCCESS}: groups answer alike "
-            "and GRPO has nothing to learn from (RAGEN's Echo Trap; its record: "
-            "docs/results.md, \"The monitor on healthy runs\"); try another --seed, or "
-            "--filter_ratio 0.25 (StarPO-S)"
-        )
-    if best > COLLAPSE_BEST and success < COLLAPSE_FLOOR * best:
-        warnings["collapse"] = (
-            f"success {success:.2f} ({window}-step mean) is below {COLLAPSE_FLOOR}x its best "
-            f"{best:.2f}: the collapse studies' own rule, so it marks a collapse as it "
-            "happens, never ahead (docs/results.md, \"The monitor on healthy runs\"); resume "
-            "from an earlier checkpoint with a lower --lr, or --starpo_s"
-        )
-    return warnings
-
-
-# --on_echo_trap stabilize: RAGEN's remedy for the Echo Trap (StarPO-S's top 25% of
-# groups) plus a smaller step, at most every ECHO_TRAP_COOLDOWN steps, so one episode of
-# warnings (the smoothed signals stay low a while) acts once. A collapse only warns: the
-# policy has already fallen, and its remedy is a resume from a checkpoint before the fall,
-# which a run cannot do to itself.
-ECHO_TRAP_FILTER_RATIO, ECHO_TRAP_LR_FACTOR, ECHO_TRAP_COOLDOWN = 0.25, 0.5, 10
-
-
-def stabilize_on_echo_trap(control, step, warnings):
-    """`control` after `warnings`, a new dict when it acts: on "stalled" only, smaller steps
-    from groups that still disagree."""
-    last = control["last_action_step"]
-    if "stalled" not in warnings or (last is not None and step - last < ECHO_TRAP_COOLDOWN):
-        return control
-    return {
-        "lr": control["lr"] * ECHO_TRAP_LR_FACTOR, "last_action_step": step,
-        "filter_ratio": min(control["filter_ratio"], ECHO_TRAP_FILTER_RATIO),
-    }
 
 
 def finish_run(run, args):

@@ -21,7 +21,7 @@ Cost model, per step. T = tokens of all trajectories of the step, K = the agent'
 (the ones the loss reads), N_body = parameters of the transformer body, N_head = the LM head's.
 T_p = T less the prompt tokens that the G members of a group share: the policy runs each group's
 prompt once (train.shared_prompt_hidden). A policy forward pass costs F = 2 N_body T_p + 2 N_head K:
-train.py sends only the loss's positions through the LM head (train.token_logprobs). A backward
+train.py sends only the loss's positions through the LM head (nanoagent/models.py: token_logprobs). A backward
 pass costs 2F.
   policy:  3F per update pass (forward + backward), per PPO epoch; + F for the old log-probs, unless
            the step is a single update, which reuses its own forward (train.py, step 3)

@@ -5,6 +5,7 @@ logged number.
     python bench/compare_metrics.py 94d5212            # that commit against the working tree
     python bench/compare_metrics.py 94d5212 HEAD       # two commits
     python bench/compare_metrics.py 94d5212 --algo grpo --steps 3
+    python bench/compare_metrics.py 94d5212 --env frozen_lake --algo gigpo --model DIR   # a game
 
 For each commit (checked out with `git worktree` into a scratch folder; "." is the working tree as it is),
 `train.py --steps 5 --eval_every 5` runs for GRPO and for PPO from one warmed-up checkpoint
@@ -39,10 +40,11 @@ def checkout(ref, scratch, side):
     return path
 
 
-def run_job(tree, algo, model, steps, out_dir):
-    """train.py in `tree` with one thread; returns its metrics.jsonl as a list of dicts."""
+def run_job(tree, task, algo, model, steps, out_dir):
+    """train.py --env task in `tree` with one thread; returns its metrics.jsonl as a list of dicts."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
-    command = [sys.executable, "train.py", "--algo", algo, "--steps", str(steps), "--eval_every", str(steps),
+    command = [sys.executable, "train.py", "--env", task, "--algo", algo, "--steps", str(steps),
+               "--eval_every", str(steps),
                "--model", model, "--warmup_steps", "0", "--out_dir", str(out_dir)]
     result = subprocess.run(command, cwd=tree, env=env, capture_output=True, text=True)
     if result.returncode != 0:
@@ -71,6 +73,7 @@ def main():
     parser.add_argument("old", help="a commit (or '.' for the working tree)")
     parser.add_argument("new", nargs="?", default=".", help="a commit, or '.' for the working tree (default)")
     parser.add_argument("--algo", nargs="+", default=["grpo", "ppo"])
+    parser.add_argument("--env", default="synthetic_qa", help="the task (a game: --env frozen_lake --algo gigpo)")
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--model", default=None, help="a checkpoint to start from (default: the main job's warm-up)")
     parser.add_argument("--tolerance", type=float, default=0.0, help="allowed difference, relative or absolute")
@@ -80,11 +83,12 @@ def main():
         trees = [checkout(ref, scratch, side) for side, ref in enumerate((args.old, args.new))]
         try:
             model = args.model or subprocess.run(  # the old tree's warm-up: built once, then cached
-                [sys.executable, "-c", "import train; print(train.starting_weights(train.get_args([])))"],
+                [sys.executable, "-c", "import sys, train; print(train.starting_weights(train.get_args(sys.argv[1:])))",
+                 "--env", args.env],
                 cwd=trees[0], check=True, capture_output=True, text=True).stdout.strip().splitlines()[-1]
             failed = False
             for algo in args.algo:
-                histories = [run_job(tree, algo, model, args.steps, Path(scratch) / f"{algo}-{side}")
+                histories = [run_job(tree, args.env, algo, model, args.steps, Path(scratch) / f"{algo}-{side}")
                              for side, tree in enumerate(trees)]
                 mismatches, one_sided = differences(*histories, args.tolerance)
                 print(f"{algo}: {len(histories[1])} log lines, "

@@ -142,7 +142,7 @@ def advice(parts, gpu_memory_gb):
 
 def measure(shape, tokens, kept_tokens):
     """Measured bytes on this CPU, float32, one process: parameters, gradients, AdamW states, and the tensors
-    autograd saves for the backward pass of train.token_logprobs (activations and logits together)."""
+    autograd saves for the backward pass of nanoagent/models.py's token_logprobs (activations and logits together)."""
     import train
     from transformers import Qwen2Config, Qwen2ForCausalLM
     hidden, layers, heads, kv_heads, intermediate, vocab, tied = shape

@@ -58,7 +58,7 @@ from transformers.utils import logging as transformers_logging
 
 from nanoagent.checkpoint import save_atomically
 from nanoagent.common import UserError
-from nanoagent.parallel import most_over_ranks
+from nanoagent.parallel import forward_through_root, most_over_ranks
 
 # Qwen2.5's published chat template, verbatim: system block with the tools list,
 # `<tool_call>` JSON in assistant turns, tool results wrapped in `<tool_response>`
@@ -535,3 +535,56 @@ def shared_prompt_hidden(model, input_ids, attention_mask, prompt_lengths):
         rows_in_order.append(rows[:used])
     # (B, T, D), in batch order
     return torch.cat(passes).index_select(0, torch.cat(rows_in_order).argsort())
+
+
+def token_logprobs(
+    model, input_ids, attention_mask, temperature, positions=None, with_entropy=False,
+    prompt_lengths=None,
+):
+    """Log-prob of every token given the ones before, at the sampling temperature (as the
+    sampler reports it): (B, T-1), aligned with input_ids[:, 1:]. With `positions` (B, T-1),
+    only those go through the LM head, most of a small model's work (the others are 0). With
+    `prompt_lengths` (B,), rows share their prompt's pass and `positions` must skip it."""
+    assert getattr(model.config, "final_logit_softcapping", None) is None, (
+        "logits = lm_head(hidden) is assumed"
+    )
+    keep = (attention_mask[:, 1:] if positions is None else positions).bool()  # (B, T-1)
+
+    def kept_logits():  # (K, V), K kept positions: the body, then the head on those only
+        if prompt_lengths is None:
+            hidden = model.base_model(input_ids=input_ids, attention_mask=attention_mask)
+            hidden = hidden.last_hidden_state
+        else:
+            columns = torch.arange(keep.shape[1], device=keep.device)
+            in_prompt = columns < prompt_lengths[:, None] - 1  # (B, T-1)
+            assert not (keep & in_prompt).any(), (
+                "with prompt_lengths, positions must leave out the prompt"
+            )
+            hidden = shared_prompt_hidden(model, input_ids, attention_mask, prompt_lengths)
+        return model.get_output_embeddings()(hidden[:, :-1][keep])  # hidden: (B, T, D)
+    # (K, V); one forward under FSDP
+    logits = forward_through_root(model, kept_logits).float() / temperature
+    logprobs_all = torch.log_softmax(logits, dim=-1)
+    logprobs = torch.zeros(keep.shape, dtype=logits.dtype, device=logits.device)  # (B, T-1)
+    logprobs[keep] = logprobs_all.gather(-1, input_ids[:, 1:][keep, None]).squeeze(-1)
+    entropy = None
+    if with_entropy:
+        entropy = torch.zeros_like(logprobs)  # (B, T-1)
+        entropy[keep] = -(logprobs_all.exp() * logprobs_all).sum(-1)
+    return logprobs, entropy
+
+
+def critic_values(critic, input_ids, attention_mask, prompt_lengths=None):
+    """V(state after token t) for every t: (B, T); [:, :-1] is aligned like token_logprobs.
+    With prompt_lengths, rows share their prompt's pass (values inside it are garbage)."""
+    def flat_values():
+        # (B*T, 1): the token classifier's head (no dropout) on flattened hidden states, so
+        # that a sharded root returns no view (FSDP2 warns: an in-place op on a view would
+        # drop its backward hook)
+        if prompt_lengths is None:
+            hidden = critic.base_model(input_ids=input_ids, attention_mask=attention_mask)
+            hidden = hidden.last_hidden_state
+        else:
+            hidden = shared_prompt_hidden(critic, input_ids, attention_mask, prompt_lengths)
+        return critic.score(hidden.flatten(0, 1))
+    return forward_through_root(critic, flat_values).view(input_ids.shape).float()

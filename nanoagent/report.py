@@ -66,7 +66,7 @@ def trajectory_records(trajectories, tokenizer, step, advantages=None, old_logpr
     """trajectories.jsonl's lines (dicts) for rollout.Trajectory objects, a group's
     members in order; `step` labels them (a training step, or eval.py's row).
     advantages and old_logprobs: one list per trajectory, aligned with token_ids[1:]
-    as the trainer computes them (train.token_logprobs), or None."""
+    as the trainer computes them (nanoagent/models.py: token_logprobs), or None."""
     records, members = [], {}
     for row, trajectory in enumerate(trajectories):
         ids, prompt_length = trajectory.token_ids, trajectory.prompt_length

@@ -18,6 +18,7 @@ import torch.distributed.checkpoint as dcp
 from peft import PeftModel
 from transformers import AutoModelForCausalLM
 
+import monitors
 import train
 from nanoagent.checkpoint import checkpoint_problem, latest_checkpoint
 from nanoagent.common import UserError
@@ -288,29 +289,29 @@ def test_monitor_warns_on_a_stalled_run_and_a_collapse_and_not_on_a_healthy_one(
     def steps(std, success, n, **rest):
         return [{"group_reward_std": std, "success": success, "grad_norm": 1.0, **rest}] * n
     calm = steps(0.4, 0.3, 12)
-    assert train.monitor_warnings(calm) == {}
-    assert train.monitor_warnings(calm + steps(0.0, 0.3, 1)) == {}  # one flat step is noise
+    assert monitors.monitor_warnings(calm) == {}
+    assert monitors.monitor_warnings(calm + steps(0.0, 0.3, 1)) == {}  # one flat step is noise
     # Not taken off (the Echo Trap): the groups answer alike while success stays low. The warning says what
     # it measured, where its record is, and what to try.
-    stalled = train.monitor_warnings(steps(0.4, 0.05, 12) + steps(0.01, 0.05, 5))
+    stalled = monitors.monitor_warnings(steps(0.4, 0.05, 12) + steps(0.01, 0.05, 5))
     assert list(stalled) == ["stalled"]
     assert stalled["stalled"].startswith("group_reward_std 0.010 (5-step mean) is below 0.2x its peak 0.400 "
                                          "while success 0.05 < 0.2")
     assert "docs/results.md" in stalled["stalled"] and "--seed" in stalled["stalled"]
     # Healthy: a solved task, and a plateau at 0.85 whose groups mostly all succeed, have flat groups for a
     # good reason; a gradient-norm spike and a retrieval-accuracy fall (logged) do not warn.
-    assert train.monitor_warnings(calm + steps(0.0, 1.0, 5)) == {}
-    assert train.monitor_warnings(steps(0.4, 0.6, 12) + steps(0.02, 0.85, 5)) == {}
+    assert monitors.monitor_warnings(calm + steps(0.0, 1.0, 5)) == {}
+    assert monitors.monitor_warnings(steps(0.4, 0.6, 12) + steps(0.02, 0.85, 5)) == {}
     spike = steps(0.4, 0.3, 1, grad_norm=50.0, retrieval_accuracy=0.0)
-    assert train.monitor_warnings(calm + spike) == {}
+    assert monitors.monitor_warnings(calm + spike) == {}
     # A collapse: the 5-step training success below half its best, once that best passed 0.2.
-    assert train.monitor_warnings(steps(0.4, 0.6, 12) + steps(0.4, 0.35, 5)) == {}  # 0.35 > 0.5 x 0.6
-    collapsed = train.monitor_warnings(steps(0.4, 0.6, 12) + steps(0.4, 0.2, 5))
+    assert monitors.monitor_warnings(steps(0.4, 0.6, 12) + steps(0.4, 0.35, 5)) == {}  # 0.35 > 0.5 x 0.6
+    collapsed = monitors.monitor_warnings(steps(0.4, 0.6, 12) + steps(0.4, 0.2, 5))
     assert list(collapsed) == ["collapse"]
     assert collapsed["collapse"].startswith("success 0.20 (5-step mean) is below 0.5x its best 0.60")
     assert "checkpoint" in collapsed["collapse"]
     # best 0.15: nothing fell
-    assert train.monitor_warnings(steps(0.4, 0.15, 12) + steps(0.4, 0.05, 5)) == {}
+    assert monitors.monitor_warnings(steps(0.4, 0.15, 12) + steps(0.4, 0.05, 5)) == {}
 
 
 # -----------------------------------------------------------------------------
@@ -323,13 +324,13 @@ def test_prompt_dependence_matches_a_plain_loop():
     own_best = [max(range(n), key=lambda i: logprobs[i, j].item()) == j for j in range(n)]  # r_2 prefers x_2
     mutual_information = sum(logprobs[j, j].item() - math.log(sum(math.exp(logprobs[i, j].item()) for i in range(n))
                                                                / n) for j in range(n)) / n
-    signals = train.prompt_dependence(logprobs)
+    signals = monitors.prompt_dependence(logprobs)
     assert signals["retrieval_accuracy"] == pytest.approx(sum(own_best) / n) and sum(own_best) == 2
     assert signals["retrieval_chance"] == pytest.approx(1 / 3)
     assert signals["mutual_information"] == pytest.approx(mutual_information, abs=1e-6)
     # responses that ignore their prompts: no information, and retrieval falls to ties (argmax takes the first)
-    assert train.prompt_dependence(torch.full((4, 4), -2.0))["mutual_information"] == pytest.approx(0.0, abs=1e-6)
-    assert train.prompt_dependence(None) == {}
+    assert monitors.prompt_dependence(torch.full((4, 4), -2.0))["mutual_information"] == pytest.approx(0.0, abs=1e-6)
+    assert monitors.prompt_dependence(None) == {}
 
 
 @pytest.mark.parametrize("share_prompts", [False, True])
@@ -348,7 +349,7 @@ def test_cross_prompt_logprobs_match_rows_scored_one_by_one(tiny_batch, share_pr
              episode(prompts[0], first_turns[0], 0), episode(prompts[0], [98, 97], 0),  # the first of a prompt counts
              episode(prompts[1], first_turns[1], 1), episode(prompts[2], first_turns[2], 2)]
     with torch.no_grad():
-        matrix = train.cross_prompt_logprobs(model, batch, 0, 0.7, share_prompts, "cpu")
+        matrix = monitors.cross_prompt_logprobs(model, batch, 0, 0.7, share_prompts, "cpu")
         expected = torch.zeros(3, 3)
         for i, prompt in enumerate(prompts):
             for j, first_turn in enumerate(first_turns):
@@ -356,18 +357,18 @@ def test_cross_prompt_logprobs_match_rows_scored_one_by_one(tiny_batch, share_pr
                 logprobs = train.token_logprobs(model, ids, torch.ones_like(ids), 0.7)[0][0]  # (T-1,)
                 expected[i, j] = logprobs[len(prompt) - 1:].mean()
     assert torch.allclose(matrix, expected, atol=1e-5)
-    assert train.cross_prompt_logprobs(model, batch[:3], 0, 0.7, share_prompts, "cpu") is None  # one prompt
-    assert train.cross_prompt_logprobs(model, batch, 0, 0.7, share_prompts, "cpu", num_prompts=2).shape == (2, 2)
+    assert monitors.cross_prompt_logprobs(model, batch[:3], 0, 0.7, share_prompts, "cpu") is None  # one prompt
+    assert monitors.cross_prompt_logprobs(model, batch, 0, 0.7, share_prompts, "cpu", num_prompts=2).shape == (2, 2)
 
 
 def test_zero_variance_share_and_recent_change_by_hand():
     scores = {0: [1, 1, 1], 1: [0, 1, 0], 2: [0.5, 0.5, 0.5], 3: [0, 0, 1]}
     batch = [trajectory(group, score) for group, group_scores in scores.items() for score in group_scores]
-    assert train.zero_variance_share(batch) == 0.5  # groups 0 and 2
+    assert monitors.zero_variance_share(train.group_reward_stds(batch)) == 0.5  # groups 0 and 2
     history = [{"step": 0, "eval_success": 0.1}] + [{"turns": turns} for turns in [9, 2, 2, 2, 2, 2, 3]]
-    assert train.recent_change(history, "turns") == pytest.approx(3 / 2 - 1)  # the 5 steps before: 2 each
-    assert train.recent_change(history[:3], "turns") == pytest.approx(2 / 9 - 1)  # step 0's eval has no turns
-    assert train.recent_change(history[:2], "turns") == 0.0  # nothing before
+    assert monitors.recent_change(history, "turns") == pytest.approx(3 / 2 - 1)  # the 5 steps before: 2 each
+    assert monitors.recent_change(history[:3], "turns") == pytest.approx(2 / 9 - 1)  # step 0's eval has no turns
+    assert monitors.recent_change(history[:2], "turns") == 0.0  # nothing before
 
 
 def test_collapse_signals_are_logged_every_step(tmp_path):
@@ -385,17 +386,17 @@ def test_collapse_signals_are_logged_every_step(tmp_path):
 def test_stabilize_on_echo_trap_acts_once_per_cooldown_and_only_on_the_echo_trap():
     start = {"lr": 1e-3, "filter_ratio": 1.0, "last_action_step": None}
     stalled = {"stalled": "std fell"}
-    assert train.stabilize_on_echo_trap(start, 7, {}) is start  # no warning, no change
+    assert monitors.stabilize_on_echo_trap(start, 7, {}) is start  # no warning, no change
     # A collapse only warns: its advice is a resume from an earlier checkpoint, not a smaller step.
-    assert train.stabilize_on_echo_trap(start, 7, {"collapse": "resume from a checkpoint"}) is start
-    first = train.stabilize_on_echo_trap(start, 7, stalled)
+    assert monitors.stabilize_on_echo_trap(start, 7, {"collapse": "resume from a checkpoint"}) is start
+    first = monitors.stabilize_on_echo_trap(start, 7, stalled)
     assert first == {"lr": 5e-4, "filter_ratio": 0.25, "last_action_step": 7} and start["lr"] == 1e-3
     # one episode of warnings, one action
-    assert train.stabilize_on_echo_trap(first, 7 + train.ECHO_TRAP_COOLDOWN - 1, stalled) is first
-    second = train.stabilize_on_echo_trap(first, 7 + train.ECHO_TRAP_COOLDOWN, {**stalled, "collapse": "x"})
+    assert monitors.stabilize_on_echo_trap(first, 7 + monitors.ECHO_TRAP_COOLDOWN - 1, stalled) is first
+    second = monitors.stabilize_on_echo_trap(first, 7 + monitors.ECHO_TRAP_COOLDOWN, {**stalled, "collapse": "x"})
     assert second == {"lr": 2.5e-4, "filter_ratio": 0.25, "last_action_step": 17}
     narrow = {"lr": 1e-3, "filter_ratio": 0.1, "last_action_step": None}  # a narrower filter is kept
-    assert train.stabilize_on_echo_trap(narrow, 3, stalled)["filter_ratio"] == 0.1
+    assert monitors.stabilize_on_echo_trap(narrow, 3, stalled)["filter_ratio"] == 0.1
 
 
 def test_on_echo_trap_stabilize_filters_and_slows_the_run_and_resumes_so(tmp_path, monkeypatch):
@@ -613,28 +614,29 @@ def test_grpo_learns_to_compute_with_the_python_tool(tmp_path):
     assert gains[-1] > 0.15 and best["tool_calls"] >= 0.9, f"no RL seed learned: best held-out gains {gains}"
 
 
-def test_grpo_learns_frozen_lake_turn_by_turn(tmp_path):
+def test_gigpo_learns_frozen_lake_turn_by_turn(tmp_path):
     # FrozenLake's recipe (its train_defaults: 8 turns of one move, flawed demonstrations at 0.3, the
-    # next grids predicted) with a warm-up short enough for CI: 400 correct steps, then 100 flawed (250
-    # correct are too few: no gain), and GRPO at lr 5e-4, what it was measured with (the game's GiGPO at
-    # 2e-4 climbs further over 100 steps, more slowly over 20). RL sharpens the paths it walks: held-out
-    # success (128 maps) over its warm-up's at step 10 or 20. Measured over RL seeds 0-3 with native and AVX2
-    # kernels, every run gained 0.17 or more (docs/games.md, "The game test"); without learning, a
-    # gain over 0.1 comes by chance about once in 12. The test tries RL seeds until one gains, at most 3.
+    # next grids predicted, GiGPO's credit) with a warm-up short enough for CI: 400 correct steps, then 100
+    # flawed (250 correct are too few: no gain), and GiGPO at lr 5e-4 (the game's 2e-4 climbs more slowly
+    # over 20 steps). RL sharpens the paths it walks: held-out success (128 maps) over its warm-up's at step 10
+    # or 20. Measured over RL seeds 0-5 with native and AVX2 kernels (docs/games.md, "The game test"), the
+    # gains ran 0.156 to 0.328 (mean 0.247, sd 0.054): a try misses 0.15 about 1 time in 30. A run that drifts
+    # without learning, its three evaluations as independent as 128 maps allow, clears 0.15 about 1 time in
+    # 75, so in 2 tries about 1 in 37 (in the 3 tries at 0.1 this test had, 1 in 4).
     lake = ["--env", "frozen_lake", "--warmup_clean_steps", "400", "--warmup_steps", "100", "--lr", "5e-4",
-            "--algo", "grpo"]
+            "--algo", "gigpo"]
     warmed_up = train.warm_up(train.get_args(lake + ["--seed", "0"]))
     gains = []
-    for seed in ["0", "1", "2"]:
+    for seed in ["0", "1"]:
         _, history = train.main(lake + ["--model", str(warmed_up), "--warmup_steps", "0", "--seed", seed,
                                         "--steps", "20", "--eval_every", "10", "--eval_episodes", "128",
                                         "--out_dir", str(tmp_path / seed)])
         evaluations = [h["eval_success"] for h in history if "eval_success" in h]
         assert 0.15 < evaluations[0] < 0.75  # the warm-up leaves a player that walks, and falls in
         gains.append(round(max(evaluations[1:]) - evaluations[0], 3))
-        if gains[-1] > 0.1:
+        if gains[-1] > 0.15:
             break
-    assert gains[-1] > 0.1, f"no RL seed learned: held-out gains {gains}"
+    assert gains[-1] > 0.15, f"no RL seed learned: held-out gains {gains}"
 
 
 # -----------------------------------------------------------------------------
