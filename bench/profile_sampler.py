@@ -51,7 +51,8 @@ with torch.inference_mode():
         decode(state)
         end = time.perf_counter()
         slots = rows * max(map(len, prompts))
-        print(f"prefill {middle - start:.2f} s ({sum(map(len, prompts))} tokens in {slots} slots), decode "
+        print(f"prefill {middle - start:.2f} s ({sum(map(len, prompts))} tokens; one padded pass: {slots} slots), "
+              f"decode "
               f"{end - middle:.2f} s ({rows * steps / (end - middle):.0f} tokens/s), "
               f"{rows * steps / (end - start):.0f} generated tokens/s over the call")
     for name, work in [("prefill", prefill), ("decode", lambda: decode(prefill_state))]:

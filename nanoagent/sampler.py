@@ -32,6 +32,12 @@ from nanoagent.common import rng_state, set_rng_state
 from nanoagent.parallel import full_weights
 
 
+# prefill_in_buckets: a bucket's longest prompt is at most PREFILL_PADDING times its
+# shortest; one pass that would pad fewer than PREFILL_MIN_PADS tokens is not split (a
+# forward costs more than its tokens: a layer's fixed work, a GPU's idle lanes)
+PREFILL_PADDING, PREFILL_MIN_PADS = 1.25, 1024
+
+
 @dataclass
 class Generation:
     token_ids: list[int]  # sampled tokens, ending with the stop token when finish_reason is "stop"
@@ -159,7 +165,8 @@ class DecodeState:
 class TorchSampler:
     """Batched KV-cache decoding of left-padded prompts with the trainer's own HF causal LM.
     batch_size caps the rows decoded together (None: all), grouped by length to compute
-    little padding; results do not depend on it.
+    little padding; results do not depend on it. Prompts of unlike lengths are prefilled in
+    buckets of like length (prefill_in_buckets).
 
     Prefix cache (as vLLM's): finished rows' keys and values are kept under the tokens they
     cover (all but the last sampled, never fed back), and the next call, a rollout's next
@@ -242,15 +249,14 @@ class TorchSampler:
         input_ids, position_ids, attention_mask = self.left_padded(distinct, reused, device)
         steps = max(max_new_tokens)
         cache = self.new_cache(attention_mask.shape[1] + steps, reused)
+        bucketed = not any(cached for cached, _ in reused) and not any(cache.is_sliding)
         # Each row's own seed: its tokens never depend on the batch.
         uniforms = torch.zeros(len(prompts), steps)  # (B, T)
         for row, (limit, seed) in enumerate(zip(max_new_tokens, seeds)):
             uniforms[row, :limit] = torch.rand(limit, generator=torch.Generator().manual_seed(seed))
         uniforms = uniforms.to(device)
-        logits = self.model(
-            input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-            past_key_values=cache, use_cache=True, logits_to_keep=1,
-        ).logits[:, -1]  # (U, V)
+        prefill = self.prefill_in_buckets if bucketed else self.last_logits
+        logits = prefill(input_ids, attention_mask, position_ids, cache)  # (U, V)
         cache.batch_select_indices(copy_of)  # (U, ...) -> (B, ...)
         tokens, logprobs = sample_tokens(logits[copy_of], temperature, top_p, uniforms[:, 0])
         sampled = torch.zeros(len(prompts), steps, dtype=torch.long, device=device)
@@ -264,6 +270,52 @@ class TorchSampler:
             finished=torch.zeros(len(prompts), dtype=torch.bool, device=device),
             mask=attention_mask[copy_of], sampled=sampled, sampled_logprobs=sampled_logprobs,
         )
+
+    def last_logits(self, input_ids, attention_mask, position_ids, cache):
+        """The (U, V) logits after each row, its keys and values written into `cache`."""
+        return self.model(
+            input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+            past_key_values=cache, use_cache=True, logits_to_keep=1,
+        ).logits[:, -1]
+
+    def prefill_in_buckets(self, input_ids, attention_mask, position_ids, cache):
+        """last_logits without a reused prefix, rows of like length run together: left padding
+        to the longest prompt spends a third of a CPU's prefill on pads (docs/performance.md).
+        A bucket is the rows, longest first, down to 1/PREFILL_PADDING of its longest, cut to
+        its own width; its keys and values go to the rows' last columns, as one pass's do."""
+        lengths = attention_mask.sum(dim=1).tolist()  # (U,) no pads between a row's tokens
+        if len(lengths) * max(lengths) - sum(lengths) < PREFILL_MIN_PADS:
+            return self.last_logits(input_ids, attention_mask, position_ids, cache)
+        buckets = []  # lists of rows
+        for row in sorted(range(len(lengths)), key=lengths.__getitem__, reverse=True):
+            if buckets and lengths[buckets[-1][0]] <= PREFILL_PADDING * lengths[row]:
+                buckets[-1].append(row)
+            else:
+                buckets.append([row])
+        if len(buckets) == 1:
+            return self.last_logits(input_ids, attention_mask, position_ids, cache)
+        width, logits, layers = input_ids.shape[1], None, None
+        for bucket in buckets:
+            rows = torch.tensor(bucket, device=input_ids.device)
+            columns = slice(width - lengths[bucket[0]], width)
+            part = DynamicCache(config=self.model.config)
+            bucket_logits = self.last_logits(  # (b, V)
+                input_ids[rows, columns], attention_mask[rows, columns],
+                position_ids[rows, columns], part,
+            )
+            if logits is None:  # (U, V), and per layer the (U, H, S, d) keys and values
+                logits = bucket_logits.new_empty(len(lengths), bucket_logits.shape[1])
+                layers = [
+                    [states.new_zeros(len(lengths), states.shape[1], width, states.shape[3])
+                     for states in (layer.keys, layer.values)]
+                    for layer in part.layers
+                ]
+            logits[rows] = bucket_logits
+            for full, layer in zip(layers, part.layers):
+                full[0][rows, :, columns], full[1][rows, :, columns] = layer.keys, layer.values
+        for index, (keys, values) in enumerate(layers):
+            cache.update(keys, values, index)
+        return logits
 
     @staticmethod
     def longest_saved_prefix(prompt, saved, saved_lengths):

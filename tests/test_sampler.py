@@ -4,6 +4,8 @@ import math
 import subprocess
 import sys
 
+from unittest import mock
+
 import pytest
 import torch
 
@@ -109,6 +111,27 @@ def test_stop_tokens_and_per_row_lengths(model):
         else:
             expected = (greedy[row].token_ids[:limit], "length")
         assert (generations[row].token_ids, generations[row].finish_reason) == expected
+
+
+def test_prompts_of_unlike_lengths_are_prefilled_in_buckets_and_sampled_as_alone(model):
+    # 1,180 pad tokens in one pass: the rows are prefilled in buckets of like length (the longest at most 1.25x the
+    # shortest), each cut to its own width, and every row still samples what it would alone.
+    prompts = [list(range(5, 405)), list(range(7, 47)), list(range(9, 309)), list(range(11, 51)), list(range(3, 403)),
+               list(range(13, 53))]
+    shapes, hook = input_shapes(model)
+    try:
+        batched = TorchSampler(model).generate(prompts, 6, temperature=0.7, seed=[1, 2, 3, 4, 5, 6])
+    finally:
+        hook.remove()
+    assert [shape for shape in shapes if shape[1] > 1] == [(2, 400), (1, 300), (3, 40)]  # rows 0, 4; 2; 1, 3, 5
+    for row, prompt in enumerate(prompts):
+        alone = TorchSampler(model).generate([prompt], 6, temperature=0.7, seed=row + 1)[0]
+        assert alone.token_ids == batched[row].token_ids
+        assert torch.allclose(torch.tensor(alone.logprobs), torch.tensor(batched[row].logprobs), atol=1e-5)
+    one_pass = TorchSampler(model)  # the same prompts in one padded pass: the same samples
+    with mock.patch("nanoagent.sampler.PREFILL_MIN_PADS", 10**9):
+        assert [g.token_ids for g in one_pass.generate(prompts, 6, temperature=0.7, seed=[1, 2, 3, 4, 5, 6])] == [
+            g.token_ids for g in batched]
 
 
 def test_finished_rows_leave_the_batch_and_positions_skip_padding(model):
