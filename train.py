@@ -232,7 +232,7 @@ def get_args(argv=None):
     # the fewest groups a step keeps: StarPO-S's share, or --on_echo_trap stabilize's
     stabilize = args.on_echo_trap == "stabilize"
     ratio = min(args.filter_ratio, ECHO_TRAP_FILTER_RATIO if stabilize else 1)
-    fewest_kept = max(1, math.ceil(ratio * args.prompts_per_step)) * args.group_size
+    fewest_kept = groups_kept(ratio, args.prompts_per_step) * args.group_size
     try:
         count_minibatches(args, fewest_kept, world_size)
     except UserError as error:
@@ -542,11 +542,16 @@ def group_reward_stds(trajectories):
     return {group_id: statistics.pstdev(group_scores) for group_id, group_scores in scores.items()}
 
 
+def groups_kept(filter_ratio, num_groups):
+    """How many of num_groups StarPO-S keeps: the top filter_ratio, at least one."""
+    return max(1, math.ceil(filter_ratio * num_groups))
+
+
 def keep_high_variance_groups(trajectories, filter_ratio):
     """StarPO-S: the top `filter_ratio` of groups by in-group reward std. A group that scores
     alike tells GRPO nothing; RAGEN found that training on the others delays the Echo Trap."""
     spread = group_reward_stds(trajectories)
-    keep_count = max(1, math.ceil(filter_ratio * len(spread)))
+    keep_count = groups_kept(filter_ratio, len(spread))
     kept = set(sorted(spread, key=lambda group_id: (-spread[group_id], group_id))[:keep_count])
     # stable: members keep their order
     return sorted((t for t in trajectories if t.group_id in kept), key=lambda t: t.group_id)
