@@ -304,14 +304,15 @@ def qwen25_few_layers():
 
 def test_rehearsal_at_qwen25_shapes_grpo_vllm_two_ranks_save(tmp_path):
     # What a GPU user's first run does, on CPU: GRPO whose groups' rewards differ (so the weights move), the vLLM
-    # sampler given the changed weights (step 2 samples after step 1's push), 2 ranks, checkpoints, and the HF
-    # export loaded back. (Resume from a bf16 export is test_train.py's: each leg here costs engine starts at a
-    # 152k vocabulary, and the suite's time is bounded.)
+    # sampler given the changed weights (step 2 samples after step 1's push), 2 ranks, the last step's checkpoint,
+    # and the HF export loaded back. (Resume from a bf16 export is test_train.py's: each leg here costs engine starts
+    # at a 152k vocabulary, and the suite's time is bounded. A save at every step on 2 ranks is the tiny model's,
+    # above: at this shape each checkpoint is 2.7 GB on disk.)
     import_or_skip_outside_ci("vllm")
     script = tmp_path / "rehearsal.py"
     script.write_text(REHEARSAL_SCRIPT)
     torchrun([str(script), "--model", str(qwen25_few_layers()), "--warmup_steps", "0", "--env", "parity",
-              "--sampler", "vllm", "--save_every", "1", "--prompts_per_step", "2", "--group_size", "4",
+              "--sampler", "vllm", "--prompts_per_step", "2", "--group_size", "4",
               "--max_turns", "1", "--max_new_tokens", "8", "--max_total_tokens", "128", "--eval_every", "0",
               "--lr", "1e-4", "--out_dir", str(tmp_path / "run"), "--steps", "2"])
     history = metrics(tmp_path / "run")
