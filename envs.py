@@ -27,6 +27,12 @@ argument:
     call that made progress, e.g. retrieved a passage the answer needs, unseen yet;
   - reasoning-aware format (RAGEN): `require_think=True` wants <think>...</think> first.
 
+Demonstrations. An env that sft.py warms up on has `demonstration(mistake_rate, rng)`: the
+assistant turns of this episode (after reset), read in order, each after the env stepped on
+the one before. A tool env's are fixed at reset (a list); a game's next moves depend on
+where the last ones landed, so it plans as it is read (a generator, endless: the game ends
+the episode).
+
 Seeds. Everything is deterministic given the seed. Procedural envs train on seeds below
 EVAL_SEED_START and evaluate on `eval_seeds(n)`; the dataset envs split their rows instead.
 """
@@ -38,6 +44,7 @@ import random
 import re
 import string
 from collections import Counter, deque
+from collections.abc import Iterable
 from dataclasses import asdict, dataclass, replace
 from functools import lru_cache, partialmethod
 from pathlib import Path
@@ -135,7 +142,7 @@ class ToolEnv:
     The episode also ends after `max_turns` turns, with no outcome reward."""
     system_prompt = "Answer the question. Give the final answer as <answer>...</answer>."
     warmup_options = {}  # an easier version, for the warm-up's first phase (sft.py)
-    train_defaults = {}  # train.py flags this task needs beyond train.DEFAULTS (users' win)
+    train_defaults = {}  # train.py flags this task needs beyond DEFAULTS (users' win)
 
     def __init__(
         self, max_turns=4, outcome_reward=1.0, format_penalty=-0.1, format_reward=0.0,
@@ -162,8 +169,9 @@ class ToolEnv:
         """Does this successful, new call earn the process reward? By default, yes."""
         return True
 
-    def reset(self, seed: int, episode: int = 0) -> tuple[list[dict], list[dict]]:
-        """(opening messages, tool schemas) for `seed`; tools have no luck: `episode` unused."""
+    def reset(self, seed: int, member: int = 0) -> tuple[list[dict], list[dict]]:
+        """(opening messages, tool schemas) for `seed`; tools have no luck: `member` (the
+        episode's place in its group) unused."""
         self.seed = seed
         self.question, self.answers, tool_list = self.new_task(random.Random(seed))
         self.tools = {tool.name: tool for tool in tool_list}
@@ -489,7 +497,7 @@ class SyntheticQAEnv(ToolEnv):
         self.found_facts |= new_facts
         return bool(new_facts)
 
-    def demonstration(self, mistake_rate=0.0, rng=None) -> list[str]:
+    def demonstration(self, mistake_rate=0.0, rng=None) -> Iterable[str]:
         """This episode's assistant turns (after reset), for sft.py: a search per hop, each
         for the entity the last result named, then the answer; each decision wrong with
         probability `mistake_rate`, as a weak agent's."""
@@ -579,7 +587,7 @@ class CalculatorEnv(ToolEnv):
         self.expression = expression
         return question, [str(answer)], [tools.calculator_tool()]
 
-    def demonstration(self, mistake_rate=0.0, rng=None) -> list[str]:
+    def demonstration(self, mistake_rate=0.0, rng=None) -> Iterable[str]:
         """This episode's assistant turns (after reset), for sft.py: the calculator on the
         question's numbers, then the value it returns; with probability `mistake_rate` a
         number is miscopied into the expression, and its wrong value answered."""
@@ -659,7 +667,7 @@ class ComputeEnv(ToolEnv):
         question, _, solve = self.KINDS[self.kind]
         return question.format(**self.numbers), [str(solve(**self.numbers))], [PYTHON_TOOL]
 
-    def demonstration(self, mistake_rate=0.0, rng=None) -> list[str]:
+    def demonstration(self, mistake_rate=0.0, rng=None) -> Iterable[str]:
         """This episode's assistant turns (after reset), for sft.py: the kind's program,
         then the number it prints, each copy wrong with probability mistake_rate (a digit
         miscopied). The agent always calls the tool (guesses, as in QA's flawed
@@ -759,12 +767,13 @@ class GameEnv:
         self.max_turns, self.max_actions_per_turn = max_turns, max_actions_per_turn
         self.format_penalty, self.require_think = format_penalty, require_think
 
-    def reset(self, seed: int, episode: int = 0) -> tuple[list[dict], list[dict]]:
+    def reset(self, seed: int, member: int = 0) -> tuple[list[dict], list[dict]]:
         """(opening messages, no tools) for `seed`. The luck (slips, payouts) comes from
-        (seed, episode): a GRPO group plays one game with independent luck, as in RAGEN."""
+        (seed, member), member the episode's place in its group: a GRPO group plays one game
+        with independent luck, as in RAGEN."""
         self.turn, self.done, self.success = 0, False, False
         self.new_game(random.Random(seed))
-        self.rng = random.Random(f"{seed}/{episode}")  # the transitions' own random stream
+        self.rng = random.Random(f"{seed}/{member}")  # the transitions' own random stream
         several = (
             f", up to {self.max_actions_per_turn} actions separated by ||"
             if self.max_actions_per_turn > 1 else ""
@@ -817,7 +826,7 @@ class GameEnv:
         }
         return StepResult([{"role": "user", "content": observation}], reward, self.done, info)
 
-    def demonstration(self, mistake_rate=0.0, rng=None):
+    def demonstration(self, mistake_rate=0.0, rng=None) -> Iterable[str]:
         """Warm-up replies, one a turn, read as the env steps: the optimal next actions
         (`plan()`), each swapped for another with probability `mistake_rate`."""
         rng = rng or random.Random(0)
@@ -875,7 +884,7 @@ class BanditEnv(GameEnv):
         self.safe_arm, self.risky_arm = rng.choice(SAFE_ARMS), rng.choice(RISKY_ARMS)
         self.actions = rng.sample([self.safe_arm, self.risky_arm], 2)
 
-    def demonstration(self, mistake_rate=0.5, rng=None) -> list[str]:
+    def demonstration(self, mistake_rate=0.5, rng=None) -> Iterable[str]:
         """One pull for the warm-up: the safe arm with probability `mistake_rate`, else the
         risky one. It teaches the format and leaves the choice to RL."""
         rng = rng or random.Random(0)
@@ -1080,6 +1089,17 @@ ENVS = {
     "frozen_lake_slippery": SlipperyFrozenLakeEnv, "sokoban": SokobanEnv,
 }
 DATA_ENVS = (SearchQAEnv, MathEnv)  # their tasks come from --data
+# The defaults of the flags that an env's `train_defaults` (or StarPO-S) may change, for
+# train.py and eval.py alike: run_defaults(env) is what a run of that env plays.
+DEFAULTS = {"algo": "grpo", "filter_ratio": 1.0, "clip_low": 0.2, "clip_high": 0.2, "kl": "none",
+            "model": "tiny", "max_new_tokens": 32, "max_turns": 4, "max_total_tokens": 512,
+            "group_size": 8, "warmup_world_model": 0.0, "warmup_clean_steps": 800,
+            "lr": 1e-3, "warmup_mistake_rate": 0.6, "truncated_reward": "keep"}
+
+
+def run_defaults(name):
+    """DEFAULTS with env `name`'s train_defaults over them."""
+    return {**DEFAULTS, **ENVS[name].train_defaults}
 
 
 def env_factory(name, options=None, data=None, split="train"):

@@ -42,10 +42,10 @@ from tqdm import tqdm
 import envs
 import rollout
 import tools
-import train
 from nanoagent import common, models
 from nanoagent.checkpoint import load_trainer_state
 from nanoagent.common import UserError
+from nanoagent.parallel import sums_over_ranks
 from nanoagent.report import TRAJECTORIES, append_jsonl, trajectory_records
 from nanoagent.sampler import TorchSampler
 
@@ -117,9 +117,9 @@ class BaselineEnv:
         assert isinstance(env, envs.ToolEnv), f"baselines need a tool env, got {type(env).__name__}"
         self.env, self.retrieve, self.max_turns = env, retrieve, 1
 
-    def reset(self, seed: int, episode: int = 0) -> tuple[list[dict], list[dict]]:
+    def reset(self, seed: int, member: int = 0) -> tuple[list[dict], list[dict]]:
         """The env's episode for `seed`, with a tool-free prompt (for naive RAG, passages)."""
-        self.env.reset(seed, episode)
+        self.env.reset(seed, member)
         question = self.env.question
         if self.retrieve:
             assert "search" in self.env.tools, (
@@ -171,6 +171,30 @@ def evaluate(
         records = trajectory_records(trajectories, tokenizer, save_as[1])
         append_jsonl(Path(save_as[0]) / TRAJECTORIES, records)
     return table_row(trajectories)
+
+
+def evaluate_held_out(sampler, tokenizer, args, rank=0, world_size=1, device="cpu", server=None):
+    """Held-out success rate and mean score at the training temperature, over all ranks; with a
+    `server`, the --agent program plays (a failed episode is left out)."""
+    # search_qa, math: rows of the held-out split (envs.read_rows: each dataset's own)
+    seeds = list(envs.eval_seeds(args.eval_episodes, args.env))[rank::world_size]
+    if server is not None:
+        trajectories = server.play(
+            args.agent, seeds, 1, args.agent_timeout, sample_seed=args.seed + 1
+        )
+    else:
+        make_env = envs.env_factory(
+            args.env, args.env_options, data=args.data, split="held-out"
+        )
+        trajectories = rollout.rollout(
+            sampler, tokenizer, make_env, seeds, 1, args.max_turns, args.max_new_tokens,
+            args.max_total_tokens, temperature=args.temperature, sample_seed=args.seed + 1,
+        )
+    successes, score, count = sums_over_ranks([
+        sum(t.info["success"] for t in trajectories), sum(t.score for t in trajectories),
+        len(trajectories),
+    ], device)
+    return {"eval_success": successes / count, "eval_score": score / count}
 
 
 # chat in a terminal: agent green, tools grey
@@ -309,7 +333,7 @@ RUN_SETTINGS = {
 def resolve_settings(args):
     """The settings once, as train.py resolves a run's: the flags given; then, when --model is
     a run's checkpoint, the run's own (its trainer state), as it evaluated itself; then the
-    env's train_defaults and train.DEFAULTS. So a trained player is evaluated in its game."""
+    env's defaults (envs.run_defaults). So a trained player is evaluated in its game."""
     runs = [
         load_trainer_state(model)["args"] for model in args.model
         if (Path(model) / "trainer_state.pt").is_file()
@@ -325,14 +349,14 @@ def resolve_settings(args):
             value = run[key]
             setattr(args, flag, [value] if flag == "temperature" else value)
     args.env = args.env or "synthetic_qa"
-    defaults = {**train.DEFAULTS, **envs.ENVS[args.env].train_defaults}
+    defaults = envs.run_defaults(args.env)
     args.max_new_tokens = args.max_new_tokens or defaults["max_new_tokens"]
     args.max_total_tokens = args.max_total_tokens or defaults["max_total_tokens"]
     args.temperature = args.temperature or [0.0]
     args.n = args.n or 256
     args.data = args.data or "hotpotqa"
     if args.sample_seed is None:
-        args.sample_seed = run["seed"] + 1 if run else 0  # train.evaluate_held_out's
+        args.sample_seed = run["seed"] + 1 if run else 0  # evaluate_held_out's
     args.env_options = {"max_turns": defaults["max_turns"], **(args.env_options or {})}
     if args.max_turns is not None:
         args.env_options["max_turns"] = args.max_turns

@@ -41,8 +41,9 @@ such positions back to the nearest agent token before them, and the estimators a
 that no reward is left off the mask.
 
 Also here: the masked reductions the loss needs (aggregation modes, KL estimators),
-`collate` (trajectories -> (B, T) tensors, masks and placed rewards included) and the
-advantage estimators: GAE (PPO's, with a critic), GRPO / Dr.GRPO, GiGPO, REINFORCE++.
+`collate` (trajectories -> (B, T) tensors, masks and placed rewards included), the
+advantage estimators: GAE (PPO's, with a critic), GRPO / Dr.GRPO, GiGPO, REINFORCE++, and
+the losses through the mask: PPO's clipped policy and value losses.
 This file imports nothing from the project: rollout.py makes trajectories, this file
 reads them (and nanoagent/report.py shows who wrote what).
 All per-token tensors are (B, T): B trajectories, T token positions, padding has mask 0.
@@ -242,6 +243,15 @@ def compute_gae(token_rewards, values, action_mask, gamma, lam, last_values=None
     return advantages, returns
 
 
+def bootstrap_values(values, attention_mask, truncated):
+    """V(s_end) after each episode cut by the token or turn budget, 0 after one the env ended:
+    (B,), compute_gae's last_values. A budget is our time limit, not the task's end, so GAE
+    bootstraps from the critic there (Pardo et al. 2018, "Time Limits in RL"); a terminal
+    state would teach the critic that running out of room is worth 0."""
+    last = attention_mask.sum(dim=1) - 1  # (B,) each row's last real token
+    return torch.where(truncated, values.gather(1, last[:, None]).squeeze(1), 0.0)
+
+
 def grpo_advantages(scores, group_ids, scale_by_std=True, eps=1e-6):
     """GRPO: A = (score − group mean) / (group std + eps) (unbiased std) per trajectory,
     (N,) from scores and group_ids (N,); its agent tokens get it. scale_by_std=False is
@@ -343,3 +353,38 @@ def reinforce_pp_advantages(token_rewards, action_mask, gamma, global_sum=None):
         )
         returns[:, t] = torch.where(mask[:, t], next_return, 0.0)
     return masked_whiten(returns, action_mask, global_sum=global_sum)
+
+
+# -----------------------------------------------------------------------------
+# The losses through the mask (train.py's update)
+
+
+def policy_loss(
+    logprobs, old_logprobs, advantages, mask, clip_low, clip_high, loss_agg, norm_constant,
+    penalty=None, global_sum=None,
+):
+    """PPO's clipped surrogate with decoupled bounds (DAPO's clip-higher), through the mask.
+
+    ratio = π(a|s) / π_old(a|s) per token; the loss is max(-A ratio, -A clip(ratio,
+    1 - clip_low, 1 + clip_high)) plus `penalty` (B, T-1), the KL and entropy terms, one
+    `loss_agg` over mask-1 tokens for all (else the modes would reweigh the penalty). With
+    global_sum, this rank's share (aggregate_loss). Returns (loss, ratio (B, T-1))."""
+    ratio = (logprobs - old_logprobs).exp()  # (B, T-1); exactly 1 on the first on-policy pass
+    clipped = ratio.clamp(1 - clip_low, 1 + clip_high)
+    surrogate = torch.max(-advantages * ratio, -advantages * clipped)
+    per_token = surrogate if penalty is None else surrogate + penalty
+    return aggregate_loss(per_token, mask, loss_agg, norm_constant, global_sum), ratio
+
+
+def value_loss(values, old_values, returns, value_clip):
+    """PPO's clipped value loss per token, 0.5 max((V - R)^2, (clip(V) - R)^2), with V
+    clipped to old_values +- value_clip: (B, T-1), all aligned with the loss mask."""
+    clipped = old_values + (values - old_values).clamp(-value_clip, value_clip)
+    return 0.5 * torch.max((values - returns) ** 2, (clipped - returns) ** 2)
+
+
+def truncated_importance_weights(trainer_logprobs, sampler_logprobs, cap):
+    """TIS: min(π_trainer_old / π_sampler, cap) per token, (B, T-1). PPO's ratio assumes π_old
+    sampled the tokens, but a bf16 vLLM engine's probabilities differ by ~1e-2 (TRL's
+    vllm_importance_sampling_correction, verl's rollout correction)."""
+    return (trainer_logprobs - sampler_logprobs).exp().clamp(max=cap)

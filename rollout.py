@@ -53,8 +53,8 @@ import statistics
 from dataclasses import dataclass
 from functools import lru_cache
 
-
 import envs
+from nanoagent.common import UserError, print0
 
 END_OF_TURN = "<|im_end|>"  # Qwen2.5's end-of-turn token, what an assistant turn stops on
 # The sampler stops a turn on either (as Qwen2.5-Instruct does).
@@ -210,7 +210,7 @@ def start_episodes(tokenizer, make_env, seeds, group_size, max_total_tokens):
     for group_id, seed in enumerate(seeds):
         for member in range(group_size):
             env = make_env()
-            messages, tools = env.reset(seed, episode=member)
+            messages, tools = env.reset(seed, member)
             opening = json.dumps([messages, tools])
             if opening not in prompts:
                 prompts[opening] = encode_chat(
@@ -229,6 +229,28 @@ def start_episodes(tokenizer, make_env, seeds, group_size, max_total_tokens):
             trajectory.truncated = len(prompt) >= max_total_tokens
             episodes.append((env, trajectory, member))
     return episodes
+
+
+def check_prompts_fit(make_env, tokenizer, max_total_tokens, sample=256):
+    """train.py's start: stop if none of the first `sample` prompts leaves room for a turn
+    (one over-long question is no reason: its episodes score 0, counted in `prompt_too_long`)."""
+    lengths = [
+        len(encode_chat(tokenizer, *make_env().reset(seed), add_generation_prompt=True))
+        for seed in range(sample)
+    ]
+    fitting = sum(length < max_total_tokens for length in lengths)
+    if fitting == 0:
+        raise UserError(
+            f"no prompt fits: the first {sample} opening prompts are {min(lengths)} to "
+            f"{max(lengths)} tokens, and --max_total_tokens is {max_total_tokens}; "
+            "raise --max_total_tokens"
+        )
+    if fitting < sample:
+        print0(
+            f"warning: {sample - fitting} of the first {sample} prompts are too long for "
+            f"--max_total_tokens {max_total_tokens}; their episodes score 0 (metric "
+            "prompt_too_long)"
+        )
 
 
 def add_step_info(info, step_info):

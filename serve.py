@@ -211,7 +211,7 @@ def read_messages(messages):
 
 @dataclass
 class Conversation:
-    episode: str  # the episode's id from the URL ("" outside training)
+    episode_id: str  # the episode's id from the URL ("" outside training)
     keys: list[str]  # what a request extends: its tools, messages, last reply, as JSON
     trajectory: rollout.Trajectory
     closing: list[int]  # the <|im_end|> a turn cut by max_tokens lacks, before the next
@@ -225,7 +225,7 @@ class Turn(NamedTuple):
     temperature: float
     top_p: float
     seed: int
-    episode: str
+    episode_id: str
     done: Future  # set to its Generation
 
 
@@ -249,7 +249,7 @@ class Server:
         self.episodes, self.plays = {}, 0
         self.order = itertools.count()  # numbers the turns as recorded, all episodes'
         self.refusals = {}  # their refused requests, {id: ["400 why", ...]}, for its log
-        self.responses = {}  # /v1/responses', {episode: {id: its input and output items}}
+        self.responses = {}  # /v1/responses', {episode_id: {id: its input and output items}}
         self.sampling = threading.Lock()  # held while the sampler thread samples a batch
         self.http = HTTPServer((host, port), Handler)
         self.http.endpoint, self.url = self, f"http://{host}:{self.http.server_address[1]}"
@@ -267,10 +267,10 @@ class Server:
                     break
             with self.sampling:  # play waits for it: then its turns are never sampled
                 with self.lock:
-                    closed = [turn for turn in batch if not self.is_open(turn.episode)]
+                    closed = [turn for turn in batch if not self.is_open(turn.episode_id)]
                 for turn in closed:
                     turn.done.set_exception(RequestError(
-                        f"episode {turn.episode!r} ended", code="episode_closed", status=404))
+                        f"episode {turn.episode_id!r} ended", code="episode_closed", status=404))
                 self.sample([turn for turn in batch if turn not in closed])
 
     def sample(self, batch):
@@ -289,30 +289,30 @@ class Server:
                 for row in rows:
                     row.done.set_exception(problem)
 
-    def is_open(self, episode):
+    def is_open(self, episode_id):
         """Play's episodes (ids "<its call>.<index>") are served while they run, other
         ids always."""
-        call = episode.split(".")[0]
-        return episode in self.episodes or not call.isdigit() or int(call) > self.plays
+        call = episode_id.split(".")[0]
+        return episode_id in self.episodes or not call.isdigit() or int(call) > self.plays
 
-    def conversation_for(self, episode, keys, messages):
+    def conversation_for(self, episode_id, keys, messages):
         """The idle conversation of `episode` (the longest) whose history `keys` extends
         by messages that are not assistant turns, else a new one (its next segment),
         registered at once: concurrent first requests get segments, so seeds, of their
         own."""
         with self.lock:
-            if not self.is_open(episode):  # a killed program's late request
+            if not self.is_open(episode_id):  # a killed program's late request
                 raise RequestError(
-                    f"episode {episode!r} is not running", code="episode_closed", status=404)
+                    f"episode {episode_id!r} is not running", code="episode_closed", status=404)
             matches = [
-                c for c in self.conversations if c.episode == episode and not c.busy
+                c for c in self.conversations if c.episode_id == episode_id and not c.busy
                 and len(keys) > len(c.keys) and keys[:len(c.keys)] == c.keys
                 and all(m["role"] != "assistant" for m in messages[len(c.keys) - 1:])
             ]
             conversation = max(matches, key=lambda c: len(c.keys), default=None)
             if conversation is None:
-                segment = sum(c.episode == episode for c in self.conversations)
-                conversation = Conversation(episode, [], rollout.Trajectory(
+                segment = sum(c.episode_id == episode_id for c in self.conversations)
+                conversation = Conversation(episode_id, [], rollout.Trajectory(
                     token_ids=[], action_mask=[], logprobs=[], prompt_length=0, turn_rewards=[],
                     turn_end_positions=[], turn_infos=[], score=0.0, group_id=0, seed=0,
                     truncated=False, num_turns=0, messages=[],
@@ -321,7 +321,7 @@ class Server:
             conversation.busy = True
             return conversation
 
-    def complete(self, episode, body):
+    def complete(self, episode_id, body):
         """One chat completion, recorded in its conversation: OpenAI's response body."""
         limit, temperature, top_p, seed, stop = read_options(body, self.max_new_tokens)
         if self.temperature is not None:
@@ -332,7 +332,7 @@ class Server:
         opening = opening_for(body.get("tool_choice"), tool_schemas)
         keys = [json.dumps(tool_schemas, sort_keys=True)]
         keys += [json.dumps(message, sort_keys=True) for message in messages]
-        conversation = self.conversation_for(episode, keys, messages)
+        conversation = self.conversation_for(episode_id, keys, messages)
         trajectory = conversation.trajectory
         try:
             if trajectory.num_turns:  # it goes on: only the new messages are encoded
@@ -354,18 +354,19 @@ class Server:
                 )
             if seed is None:
                 seed = rollout.sample_seed_for(
-                    *self.episodes.get(episode, (0, episode)),
+                    *self.episodes.get(episode_id, (0, episode_id)),
                     trajectory.info["segment"], trajectory.num_turns
                 )
             limit = min(limit, self.max_total_tokens - length)
             done = Future()
             self.turns.put(Turn(
-                trajectory.token_ids + new_tokens, limit, temperature, top_p, seed, episode, done))
+                trajectory.token_ids + new_tokens, limit, temperature, top_p, seed, episode_id,
+                done))
             generation = done.result()
             with self.lock:  # play_one collects under it: a late turn is recorded whole or not
-                if not self.is_open(episode):  # sampled as its program ended
+                if not self.is_open(episode_id):  # sampled as its program ended
                     raise RequestError(
-                        f"episode {episode!r} ended", code="episode_closed", status=404)
+                        f"episode {episode_id!r} ended", code="episode_closed", status=404)
                 message, finish_reason, sampled, logprobs = self.record(
                     conversation, new_messages, new_tokens, generation, stop, opening,
                     parse=body.get("tool_choice") != "none",
@@ -429,14 +430,14 @@ class Server:
             for call in calls
         ]}, "tool_calls", *reply_tokens
 
-    def play_one(self, program, episode, group_id, seed, timeout_s):
+    def play_one(self, program, episode_id, group_id, seed, timeout_s):
         """Run `program` for one episode of task `seed`: its conversations' trajectories
         (segments), with the reward it reported, or why it failed (a string); forgotten
         here either way."""
         environment = {
-            **os.environ, "OPENAI_BASE_URL": f"{self.url}/episodes/{episode}/v1",
+            **os.environ, "OPENAI_BASE_URL": f"{self.url}/episodes/{episode_id}/v1",
             "OPENAI_API_KEY": "nanoagent", "NANOAGENT_TASK_SEED": str(seed),
-            "NANOAGENT_EPISODE_ID": episode,
+            "NANOAGENT_EPISODE_ID": episode_id,
         }
         try:
             returncode, output, errors = run_program(program, environment, timeout_s)
@@ -444,11 +445,11 @@ class Server:
             return f"could not start: {problem}"
         finally:
             with self.lock:
-                del self.episodes[episode]
+                del self.episodes[episode_id]
                 trajectories = [c.trajectory for c in self.conversations
-                                if c.episode == episode and c.trajectory.num_turns]
-                self.conversations = [c for c in self.conversations if c.episode != episode]
-                self.responses.pop(episode, None)
+                                if c.episode_id == episode_id and c.trajectory.num_turns]
+                self.conversations = [c for c in self.conversations if c.episode_id != episode_id]
+                self.responses.pop(episode_id, None)
         if returncode is None:
             return f"ran past {timeout_s}s and was killed"
         last_line = (output.strip().splitlines() or [""])[-1]
@@ -468,7 +469,7 @@ class Server:
             else misreported(report, len(turns))
         )
         if why:
-            refused = self.refusals[episode]
+            refused = self.refusals[episode_id]
             why += (
                 f"; {len(refused)} requests refused, the first: {refused[0]}" if refused else ""
             )
@@ -630,7 +631,7 @@ class Handler(BaseHTTPRequestHandler):
         }]})
 
     def do_POST(self):
-        episode, path = self.route()
+        episode_id, path = self.route()
         try:
             try:  # read whole first: the connection stays usable whatever it holds
                 body = self.rfile.read(max(0, int(self.headers.get("Content-Length") or 0)))
@@ -643,15 +644,15 @@ class Handler(BaseHTTPRequestHandler):
             if not isinstance(request, dict):
                 raise RequestError("the body must be a JSON object", code="invalid_json")
             if path == "/responses":
-                reply = respond(self.server.endpoint, episode, request)
+                reply = respond(self.server.endpoint, episode_id, request)
                 reply = response_events(reply) if request.get("stream") else reply
                 return self.send_json(200, reply)
-            status, reply = 200, self.server.endpoint.complete(episode, request)
+            status, reply = 200, self.server.endpoint.complete(episode_id, request)
             if request.get("stream"):
                 reply = events(reply, (request.get("stream_options") or {}).get("include_usage"))
         except RequestError as problem:
             status, reply = problem.status, error(str(problem), problem.param, problem.code)
-            self.server.endpoint.refusals.get(episode, []).append(f"{status} {problem}")
+            self.server.endpoint.refusals.get(episode_id, []).append(f"{status} {problem}")
         except Exception as problem:  # a bug or a sampler failure: a 500, the server goes on
             self.log_error("%r", problem)
             reply = error(f"the server failed: {problem!r}", None, "server_error", "server_error")
@@ -787,16 +788,16 @@ def chat_to_response(completion):
     }
 
 
-def respond(server, episode, body):
+def respond(server, episode_id, body):
     """POST /v1/responses: the Response; the episode's responses keep their items while it
     runs (store true or false alike), for previous_response_id to continue."""
-    kept, previous = server.responses.get(episode, {}), body.get("previous_response_id")
+    kept, previous = server.responses.get(episode_id, {}), body.get("previous_response_id")
     if previous is not None and str(previous) not in kept:
         raise RequestError(f"previous_response_id={previous!r}: no response of this episode "
                            "has it", "previous_response_id", "previous_response_not_found")
     chat, items = responses_to_chat(body, kept.get(str(previous), []))
-    response = chat_to_response(server.complete(episode, chat))
-    server.responses.setdefault(episode, {})[response["id"]] = items + response["output"]
+    response = chat_to_response(server.complete(episode_id, chat))
+    server.responses.setdefault(episode_id, {})[response["id"]] = items + response["output"]
     return response
 
 

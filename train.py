@@ -27,8 +27,8 @@ FSDP2 (nanoagent/parallel.py).
 
 Deliberately left out: sequence packing, tensor/pipeline parallelism, an asynchronous
 rollout/update pipeline, and learning-rate schedules. The file reads in the step's order:
-flags, set-up, one section per numbered step (its helpers and losses), the end-of-step
-bookkeeping and monitors, then `main`.
+flags, set-up, one section per numbered step (its helpers; the losses are masks.py's), the
+end-of-step bookkeeping (the monitors are monitors.py's), then `main`.
 """
 
 import argparse
@@ -37,7 +37,6 @@ import json
 import math
 import statistics
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -49,26 +48,26 @@ import envs
 import masks
 import rollout
 import sft
+from eval import evaluate_held_out
 from monitors import (
     ECHO_TRAP_FILTER_RATIO, cross_prompt_logprobs, mean_anchor_group_size, monitor_warnings,
     prompt_dependence, recent_change, stabilize_on_echo_trap, zero_variance_share,
 )
 from serve import Server
 from nanoagent.checkpoint import (
-    finish_checkpoint, latest_checkpoint, load_trainer_state, load_training_states,
+    check_out_dir, check_same_run, finish_checkpoint, load_trainer_state, load_training_states,
     save_checkpoint,
 )
 from nanoagent.common import (
     UserError, autodetect_device_type, autodetect_dtype, compute_cleanup, compute_init,
     get_dist_info, json_object, print0, rng_state, seed_everything, set_rng_state,
 )
-from nanoagent.lora import add_lora
 from nanoagent.models import (
-    critic_values, load_critic, load_model, resolve_model_path, sample_as_trained,
+    can_share_prompts, critic_values, load_for_training, load_model, resolve_model_path,
     token_logprobs,
 )
 from nanoagent.parallel import (
-    clip_gradients, gather_objects, is_sharded, shard_model, sum_over_ranks, sums_over_ranks,
+    clip_gradients, gather_objects, is_sharded, sum_over_ranks, sums_over_ranks,
 )
 from nanoagent.report import TRAJECTORIES, append_jsonl, trajectory_records
 from nanoagent.sampler import TorchSampler
@@ -78,11 +77,6 @@ from nanoagent.sampler import TorchSampler
 
 # RAGEN's StarPO-S in one flag (--starpo_s); explicit flags override these.
 STARPO_S = {"algo": "ppo", "filter_ratio": 0.25, "clip_low": 0.2, "clip_high": 0.28, "kl": "none"}
-# Defaults of the flags that StarPO-S or an env's `train_defaults` may change (eval.py's too).
-DEFAULTS = {"algo": "grpo", "filter_ratio": 1.0, "clip_low": 0.2, "clip_high": 0.2, "kl": "none",
-            "model": "tiny", "max_new_tokens": 32, "max_turns": 4, "max_total_tokens": 512,
-            "group_size": 8, "warmup_world_model": 0.0, "warmup_clean_steps": 800,
-            "lr": 1e-3, "warmup_mistake_rate": 0.6, "truncated_reward": "keep"}
 # --env's rollout flags: an --agent program plays its own episodes.
 ROLLOUT_ONLY_FLAGS = ("max_turns", "truncated_reward")
 
@@ -198,7 +192,7 @@ def get_args(argv=None):
                      "its program decides its own turns and rewards; leave them out")
 
     starpo_s = STARPO_S if args.starpo_s else {}
-    for key, value in {**DEFAULTS, **envs.ENVS[args.env].train_defaults, **starpo_s}.items():
+    for key, value in {**envs.run_defaults(args.env), **starpo_s}.items():
         if getattr(args, key) is None:
             setattr(args, key, value)
     args.kl_estimator = args.kl_estimator or ("k1" if args.kl == "in_reward" else "k3")
@@ -301,12 +295,14 @@ def set_up(args):
     _, rank, _, world_size, device = compute_init(args.device, args.collective_timeout)
     seed_everything(args.seed, rank)
     dtype = autodetect_dtype(device.type)
-    checkpoint = check_out_dir(args)
+    checkpoint = check_out_dir(args.out_dir, args.resume)
     model_path, trainer_state = starting_point(args, checkpoint, rank, world_size, device)
     # KL's anchor: the run's starting weights
     reference_path = model_path if checkpoint is None else trainer_state["reference"]
-    policy, tokenizer, critic, reference = load_models(
-        args, model_path, reference_path, device, dtype
+    policy, tokenizer, critic, reference = load_for_training(
+        model_path, device, dtype, temperature=args.temperature, lora_rank=args.lora_rank,
+        activation_checkpointing=args.activation_checkpointing, with_critic=args.algo == "ppo",
+        reference_path=None if args.kl == "none" else reference_path,
     )
     optimizers = make_optimizers(args, policy, critic)
     # Resume: fp32 masters and optimizers, resharded to this run's ranks.
@@ -320,13 +316,12 @@ def set_up(args):
         sampler.update_weights(policy, dtype)
     make_env = envs.env_factory(args.env, args.env_options, data=args.data, split="train")
     server = None
-    # --agent's programs sample at the temperature the update scores at, whatever they ask.
-    if args.agent:
+    if args.agent:  # its programs sample at the temperature the update scores at, whatever they ask
         server = Server(
             sampler, tokenizer, args.max_new_tokens, args.max_total_tokens, args.temperature
         )
-    if not args.agent:  # an --agent program writes its own prompts
-        check_prompts_fit(make_env, tokenizer, args)
+    else:  # an --agent program writes its own prompts: only --env's are checked
+        rollout.check_prompts_fit(make_env, tokenizer, args.max_total_tokens)
     logger = None
     if args.wandb and rank == 0:
         import wandb  # optional: only when asked for
@@ -343,7 +338,9 @@ def set_up(args):
         rank=rank, world_size=world_size, device=device, dtype=dtype, out_dir=Path(args.out_dir),
         policy=policy, critic=critic, reference=reference, reference_path=str(reference_path),
         tokenizer=tokenizer, sampler=sampler, make_env=make_env, optimizers=optimizers,
-        history=history, control=control, share_prompts=can_share_prompts(args, policy),
+        history=history, control=control, share_prompts=can_share_prompts(
+            policy, args.no_action_mask, args.activation_checkpointing
+        ),
         start_step=trainer_state["step"] if trainer_state else 0, logger=logger, server=server,
     )
     if args.eval_every > 0 and run.start_step == 0:
@@ -356,32 +353,12 @@ def set_up(args):
     return run
 
 
-def check_out_dir(args):
-    """Create --out_dir and write in it now, not at the first checkpoint an hour in; its latest
-    checkpoint, which --resume needs and a new run must not find."""
-    out_dir = Path(args.out_dir)
-    try:
-        out_dir.mkdir(parents=True, exist_ok=True)
-        Path(tempfile.mkstemp(dir=out_dir, prefix=".write-test")[1]).unlink()
-    except OSError as error:
-        raise UserError(f"--out_dir {out_dir} is not writable: {error}") from error
-    checkpoint = latest_checkpoint(out_dir)
-    if args.resume and checkpoint is None:
-        raise UserError(f"--resume: no complete checkpoint in {out_dir}")
-    if not args.resume and checkpoint is not None:
-        raise UserError(
-            f"{out_dir} already holds a run: pass --resume to continue it, "
-            "or choose another --out_dir"
-        )
-    return checkpoint
-
-
 def starting_point(args, checkpoint, rank, world_size, device):
     """(weights, trainer state): a checkpoint and its state, or the (warmed-up) model and
     None. Rank 0 builds what the cache holds (warm-up, tiny model); the others then find it."""
     if checkpoint is not None:
         trainer_state = load_trainer_state(checkpoint)
-        check_same_run(args, trainer_state["args"])
+        check_same_run(vars(args), trainer_state["args"], RESUMABLE_FLAGS)
         print0(f"resuming from {checkpoint} (step {trainer_state['step']})")
         return checkpoint, trainer_state
     if rank == 0:
@@ -391,30 +368,6 @@ def starting_point(args, checkpoint, rank, world_size, device):
     if rank != 0:
         model_path = starting_weights(args, device)
     return model_path, None
-
-
-def load_models(args, model_path, reference_path, device, dtype):
-    """(policy, tokenizer, critic for PPO, reference for KL), sharded over the ranks when a
-    process group is up (FSDP2, nanoagent/parallel.py): built empty on the meta device, each
-    rank's shards filled from rank 0's read."""
-    built_on = torch.device("meta") if is_sharded() else device
-    policy, tokenizer = load_model(model_path, device=built_on)
-    # The temperature checkpoints' generation_config.json will say.
-    sample_as_trained(policy, args.temperature)
-    if args.lora_rank:  # before sharding: the adapters are sharded with their layers
-        add_lora(policy, args.lora_rank)
-    policy = shard_model(policy.train(), device, args.activation_checkpointing)
-    critic = reference = None
-    # The critic starts from the policy checkpoint (or is restored with it).
-    if args.algo == "ppo":
-        critic_path = Path(model_path) / "critic"
-        critic_path = critic_path if critic_path.exists() else model_path
-        critic = load_critic(critic_path, device=built_on).train()
-        critic = shard_model(critic, device, args.activation_checkpointing)
-    if args.kl != "none":
-        reference = load_model(reference_path, device=built_on, dtype=dtype)[0]
-        reference = shard_model(reference, device)
-    return policy, tokenizer, critic, reference
 
 
 def make_optimizers(args, policy, critic):
@@ -444,29 +397,6 @@ def build_sampler(args, model_path, policy, rank, device, dtype):
     return TorchSampler(model)
 
 
-def can_share_prompts(args, policy):
-    """Not when the loss reads the prompt too, sliding-window layers keep part of its keys, or
-    layers are recomputed (activation checkpointing keeps no KV cache)."""
-    layer_types = getattr(policy.config, "layer_types", None) or []
-    return (
-        not args.no_action_mask and "sliding_attention" not in layer_types
-        and not args.activation_checkpointing
-    )
-
-
-def check_same_run(args, saved_args):
-    """Refuse to --resume a checkpoint written with other flags; say which differ."""
-    changed = [
-        f"--{key} {saved_args.get(key)!r} -> {value!r}" for key, value in vars(args).items()
-        if key not in RESUMABLE_FLAGS and saved_args.get(key) != value
-    ]
-    if changed:
-        raise UserError(
-            f"--resume: {args.out_dir} holds a run with other flags ({'; '.join(changed)}); "
-            "resume with the run's own flags, or start a new run in another --out_dir"
-        )
-
-
 def starting_weights(args, device="cpu"):
     """A new run's weights: the warmed-up model, or --model with --warmup_steps 0."""
     return warm_up(args, device) if args.warmup_steps > 0 else resolve_model_path(args.model)
@@ -481,27 +411,6 @@ def warm_up(args, device="cpu"):
         world_model=args.warmup_world_model,
     )
 
-
-def check_prompts_fit(make_env, tokenizer, args, sample=256):
-    """Stop if none of the first `sample` prompts leaves room for a turn (one over-long
-    question is no reason: its episodes score 0, counted in `prompt_too_long`)."""
-    lengths = [
-        len(rollout.encode_chat(tokenizer, *make_env().reset(seed), add_generation_prompt=True))
-        for seed in range(sample)
-    ]
-    fitting = sum(length < args.max_total_tokens for length in lengths)
-    if fitting == 0:
-        raise UserError(
-            f"no prompt fits: the first {sample} opening prompts are {min(lengths)} to "
-            f"{max(lengths)} tokens, and --max_total_tokens is {args.max_total_tokens}; "
-            "raise --max_total_tokens"
-        )
-    if fitting < sample:
-        print0(
-            f"warning: {sample - fitting} of the first {sample} prompts are too long for "
-            f"--max_total_tokens {args.max_total_tokens}; their episodes score 0 (metric "
-            "prompt_too_long)"
-        )
 
 # -----------------------------------------------------------------------------
 # Step 1: rollout
@@ -584,15 +493,6 @@ def count_minibatches(args, num_kept, world_size):
     return num_minibatches
 
 
-def bootstrap_values(values, attention_mask, truncated):
-    """V(s_end) after each episode cut by the token or turn budget, 0 after one the env ended:
-    (B,). A budget is our time limit, not the task's end, so GAE bootstraps from the critic
-    there (Pardo et al. 2018, "Time Limits in RL"); a terminal state would teach the critic
-    that running out of room is worth 0."""
-    last = attention_mask.sum(dim=1) - 1  # (B,) each row's last real token
-    return torch.where(truncated, values.gather(1, last[:, None]).squeeze(1), 0.0)
-
-
 def score_batch(run, args, batch, loss_mask, prompt_lengths, single_update):
     """Old log-probs (zeros when the update's pass fills them in), the reference's (None
     without KL), the critic's values (B, T-1) and bootstrap values (B,) (None without one)."""
@@ -612,7 +512,7 @@ def score_batch(run, args, batch, loss_mask, prompt_lengths, single_update):
         values = all_values[:, :-1]
         # --truncated_reward zero scores a cut episode 0 as a penalty: it ends there.
         cut = batch["truncated"] & (args.truncated_reward == "keep")
-        last_values = bootstrap_values(all_values, attention_mask, cut)  # (B,)
+        last_values = masks.bootstrap_values(all_values, attention_mask, cut)  # (B,)
     return old_logprobs, ref_logprobs, values, last_values
 
 
@@ -646,24 +546,14 @@ def credit(args, kept, mine, batch, token_rewards, loss_mask, values, last_value
     return advantages, None, None
 
 # -----------------------------------------------------------------------------
-# Step 5: the losses
+# Step 5: the update's helpers (its losses, PPO's clipped policy and value losses, are in
+# masks.py beside the masked reductions they use)
 
 
 def batch_mean(per_token, mask):
     """This rank's share of per_token's (B, T) mean over every rank's mask-1 tokens: summed
     over ranks (FSDP's gradient sum, or sums_over_ranks), the shares give the mean."""
     return masks.aggregate_loss(per_token, mask, "token-mean", global_sum=sum_over_ranks)
-
-
-def critic_loss(
-    critic, input_ids, attention_mask, prompt_lengths, old_values, returns, mask, value_clip
-):
-    """PPO's clipped value loss, 0.5 max((V - R)^2, (clip(V) - R)^2), this rank's share.
-    old_values, returns and mask are (b, T-1), aligned with token_logprobs."""
-    values = critic_values(critic, input_ids, attention_mask, prompt_lengths)[:, :-1]
-    clipped = old_values + (values - old_values).clamp(-value_clip, value_clip)  # (b, T-1)
-    loss = 0.5 * torch.max((values - returns) ** 2, (clipped - returns) ** 2)
-    return batch_mean(loss, mask)
 
 
 def optimizer_step(model, optimizer, loss, grad_clip):
@@ -675,13 +565,6 @@ def optimizer_step(model, optimizer, loss, grad_clip):
     return grad_norm
 
 
-def truncated_importance_weights(trainer_logprobs, sampler_logprobs, cap):
-    """TIS: min(π_trainer_old / π_sampler, cap) per token, (B, T-1). PPO's ratio assumes π_old
-    sampled the tokens, but a bf16 vLLM engine's probabilities differ by ~1e-2 (TRL's
-    vllm_importance_sampling_correction, verl's rollout correction)."""
-    return (trainer_logprobs - sampler_logprobs).exp().clamp(max=cap)
-
-
 def log_tis_weights(tis_weights, mask, cap, shares, overall):
     """TIS's diagnostics: the mean weight, the capped tokens' share, the largest weight."""
     shares["tis_weight_mean"].append(batch_mean(tis_weights, mask).item())
@@ -689,56 +572,61 @@ def log_tis_weights(tis_weights, mask, cap, shares, overall):
     overall["tis_weight_max"].append(max(gather_objects([(tis_weights * mask).max().item()])))
 
 
-def policy_loss(
-    logprobs, old_logprobs, advantages, mask, clip_low, clip_high, loss_agg, norm_constant,
-    penalty=None, global_sum=None,
-):
-    """PPO's clipped surrogate with decoupled bounds (DAPO's clip-higher), through the mask.
-
-    ratio = π(a|s) / π_old(a|s) per token; the loss is max(-A ratio, -A clip(ratio,
-    1 - clip_low, 1 + clip_high)) plus `penalty` (B, T-1), the KL and entropy terms, one
-    `loss_agg` over mask-1 tokens for all (else the modes would reweigh the penalty). With
-    global_sum, this rank's share (masks.aggregate_loss). Returns (loss, ratio (B, T-1))."""
-    ratio = (logprobs - old_logprobs).exp()  # (B, T-1); exactly 1 on the first on-policy pass
-    clipped = ratio.clamp(1 - clip_low, 1 + clip_high)
-    surrogate = torch.max(-advantages * ratio, -advantages * clipped)
-    per_token = surrogate if penalty is None else surrogate + penalty
-    return masks.aggregate_loss(per_token, mask, loss_agg, norm_constant, global_sum), ratio
-
 # -----------------------------------------------------------------------------
 # Step 7: metrics, monitors (monitors.py), eval, checkpoint
 
 
-def end_of_step(run, args, step, trajectories, kept, scored, shares, overall, probe, progress):
-    """Log the step, keep a sample of it, watch for the Echo Trap, evaluate and checkpoint when
-    due. The update's numbers are lists, one per update, logged as their mean (0.0 when
-    empty: a critic warm-up step): `shares` of a batch mean, summed over ranks, `overall`
-    ones the same on every rank. `scored`: this rank's batch, trajectories, old log-probs and
-    advantages. `probe`: cross_prompt_logprobs' matrix."""
+@dataclasses.dataclass
+class StepResult:
+    """What a step hands to end_of_step. The update's numbers are lists, one per update
+    (empty on a critic warm-up step)."""
+    trajectories: list  # every rank's, before the filter
+    kept: list  # those StarPO-S kept
+    mine: list  # this rank's share of kept: the rows of the tensors below
+    batch: dict  # masks.collate(mine): (B, T) tensors
+    old_logprobs: torch.Tensor  # (B, T-1), as the update used them
+    advantages: torch.Tensor  # (B, T-1)
+    shares: dict  # {metric: [this rank's share of a batch mean (batch_mean)]}
+    overall: dict  # {metric: [a value the same on every rank]}
+    probe: torch.Tensor | None  # cross_prompt_logprobs' (N, N) matrix
+
+
+def step_metrics(run, step, result):
+    """The step's metrics: its episodes, its groups, and the update's lists as their means
+    (0.0 when empty), the shares summed over ranks."""
+    batch, shares = result.batch, result.shares
     # The sampler's log-probs against the trainer's old ones (sampler.py's convention).
-    mismatch = (scored["sampler_logprobs"][:, 1:] - scored["old_logprobs"]).abs()
-    shares["logprob_mismatch"] = [batch_mean(mismatch, scored["action_mask"][:, 1:]).item()]
+    mismatch = (batch["sampler_logprobs"][:, 1:] - result.old_logprobs).abs()
+    shares["logprob_mismatch"] = [batch_mean(mismatch, batch["action_mask"][:, 1:]).item()]
     mean = lambda values: statistics.fmean(values) if values else 0.0
     means = sums_over_ranks([mean(values) for values in shares.values()], run.device)
     update = dict(zip(shares, means))
-    update.update({key: mean(values) for key, values in overall.items()})
+    update.update({key: mean(values) for key, values in result.overall.items()})
     # And the step's worst minibatch: a mean over minibatches hides the one that ran away.
     update.update({
         f"{key}_max": max(sums_over_ranks(shares[key], run.device), default=0.0)
         for key in ("approx_kl", "clip_fraction")
     })
+    trajectories = result.trajectories
     group_stds = group_reward_stds(trajectories)  # before the filter
     metrics = {
         **rollout.summarize(trajectories),
         "group_reward_std": statistics.fmean(group_stds.values()),
         "zero_variance_groups": zero_variance_share(group_stds),
-        "anchor_group_size": mean_anchor_group_size(trajectories), **prompt_dependence(probe),
+        "anchor_group_size": mean_anchor_group_size(trajectories),
+        **prompt_dependence(result.probe),
     }
-    metrics = {
+    return {
         "step": step + 1, **dict(sorted(metrics.items())), **update,
-        "kept_trajectories": len(kept), "lr": run.control["lr"],
+        "kept_trajectories": len(result.kept), "lr": run.control["lr"],
         "filter_ratio": run.control["filter_ratio"], "elapsed_s": time.time() - run.run_start,
     }
+
+
+def end_of_step(run, args, step, result, progress):
+    """Log the step, keep a sample of it, watch for the Echo Trap, evaluate and checkpoint when
+    due."""
+    metrics = step_metrics(run, step, result)
     if args.eval_every > 0 and ((step + 1) % args.eval_every == 0 or step + 1 == args.steps):
         metrics.update(evaluate_held_out(
             run.sampler, run.tokenizer, args, run.rank, run.world_size, run.device, run.server
@@ -762,7 +650,7 @@ def end_of_step(run, args, step, trajectories, kept, scored, shares, overall, pr
             )
     if run.rank == 0:
         append_jsonl(run.out_dir / "metrics.jsonl", [metrics])
-        append_jsonl(run.out_dir / TRAJECTORIES, kept_group(run.tokenizer, step + 1, scored))
+        append_jsonl(run.out_dir / TRAJECTORIES, kept_group(run.tokenizer, step + 1, result))
         if run.logger is not None:
             run.logger.log(metrics, step=step + 1)
     progress.set_postfix(
@@ -787,39 +675,15 @@ def save_run(run, args, step):
     )
 
 
-def kept_group(tokenizer, step, scored):
+def kept_group(tokenizer, step, result):
     """The report's sample of a step (nanoagent/report.py): this rank's first kept group, each
     token with the advantage and old log-prob the update used."""
-    trajectories = scored["trajectories"]
-    rows = [row for row, t in enumerate(trajectories) if t.group_id == trajectories[0].group_id]
+    mine = result.mine
+    rows = [row for row, t in enumerate(mine) if t.group_id == mine[0].group_id]
     return trajectory_records(
-        [trajectories[row] for row in rows], tokenizer, step,
-        scored["advantages"][rows].tolist(), scored["old_logprobs"][rows].tolist(),
+        [mine[row] for row in rows], tokenizer, step,
+        result.advantages[rows].tolist(), result.old_logprobs[rows].tolist(),
     )
-
-
-def evaluate_held_out(sampler, tokenizer, args, rank=0, world_size=1, device="cpu", server=None):
-    """Held-out success rate and mean score at the training temperature, over all ranks; with a
-    `server`, the --agent program plays (a failed episode is left out)."""
-    # search_qa, math: rows of the held-out split (envs.read_rows: each dataset's own)
-    seeds = list(envs.eval_seeds(args.eval_episodes, args.env))[rank::world_size]
-    if server is not None:
-        trajectories = server.play(
-            args.agent, seeds, 1, args.agent_timeout, sample_seed=args.seed + 1
-        )
-    else:
-        make_env = envs.env_factory(
-            args.env, args.env_options, data=args.data, split="held-out"
-        )
-        trajectories = rollout.rollout(
-            sampler, tokenizer, make_env, seeds, 1, args.max_turns, args.max_new_tokens,
-            args.max_total_tokens, temperature=args.temperature, sample_seed=args.seed + 1,
-        )
-    successes, score, count = sums_over_ranks([
-        sum(t.info["success"] for t in trajectories), sum(t.score for t in trajectories),
-        len(trajectories),
-    ], device)
-    return {"eval_success": successes / count, "eval_score": score / count}
 
 
 def finish_run(run, args):
@@ -904,10 +768,12 @@ def main(argv=None):
                 mask = loss_mask[rows]
                 rows_prompt_lengths = None if prompt_lengths is None else prompt_lengths[rows]
                 if critic is not None:
-                    value_loss = critic_loss(
-                        critic, input_ids[rows], attention_mask[rows], rows_prompt_lengths,
-                        values[rows], returns[rows], mask, args.value_clip,
-                    )
+                    new_values = critic_values(  # (b, T-1), aligned with token_logprobs
+                        critic, input_ids[rows], attention_mask[rows], rows_prompt_lengths
+                    )[:, :-1]
+                    value_loss = batch_mean(masks.value_loss(
+                        new_values, values[rows], returns[rows], args.value_clip
+                    ), mask)
                     optimizer_step(*run.optimizers["critic"], value_loss, args.grad_clip)
                     shares["value_loss"].append(value_loss.item())
                 if step < args.critic_warmup:
@@ -922,7 +788,9 @@ def main(argv=None):
                 token_advantages = advantages[rows]  # (b, T-1)
                 if args.tis_cap:  # a positive weight: weighting the advantage weights the loss
                     sampler_logprobs = batch["sampler_logprobs"][rows, 1:]
-                    tis_weights = truncated_importance_weights(old, sampler_logprobs, args.tis_cap)
+                    tis_weights = masks.truncated_importance_weights(
+                        old, sampler_logprobs, args.tis_cap
+                    )
                     token_advantages = token_advantages * tis_weights
                     log_tis_weights(tis_weights, mask, args.tis_cap, shares, overall)
                 penalty = -args.entropy_coef * entropy  # (b, T-1): an entropy bonus is negative
@@ -930,7 +798,7 @@ def main(argv=None):
                     penalty = penalty + args.kl_coef * masks.kl_estimate(
                         logprobs, ref_logprobs[rows], mask, args.kl_estimator
                     )
-                loss, ratio = policy_loss(
+                loss, ratio = masks.policy_loss(
                     logprobs, old, token_advantages, mask, args.clip_low, args.clip_high,
                     args.loss_agg, args.max_total_tokens, penalty, sum_over_ranks,
                 )
@@ -948,10 +816,10 @@ def main(argv=None):
         run.sampler.update_weights(policy, run.dtype)
 
         # 7. Log, watch, evaluate, checkpoint.
-        scored = dict(
-            batch, trajectories=kept[mine], old_logprobs=old_logprobs, advantages=advantages
+        result = StepResult(
+            trajectories, kept, kept[mine], batch, old_logprobs, advantages, shares, overall, probe
         )
-        end_of_step(run, args, step, trajectories, kept, scored, shares, overall, probe, progress)
+        end_of_step(run, args, step, result, progress)
     finish_run(run, args)
     return policy, run.history
 

@@ -175,7 +175,7 @@ def tool_time(num_passages: int, episodes: int = 64, repeats: int = 9):
         group = [envs.SyntheticQAEnv(hops=2) for _ in range(episodes)]
         turns = []
         for seed, env in enumerate(group):
-            env.reset(seed // 8, episode=seed % 8)
+            env.reset(seed // 8, member=seed % 8)
             turns.append(env.demonstration(mistake_rate=0.5, rng=random.Random(seed)))
         return group, turns
 

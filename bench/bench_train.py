@@ -87,8 +87,8 @@ def timed_run(train_argv, steps):
     and no checkpoint before the end. Returns (args, policy, history, seconds per step, trajectory tokens
     per step), timed over steps 3..N."""
     with tempfile.TemporaryDirectory() as out_dir:
-        argv = ["--steps", str(steps), "--eval_every", "0", "--save_every", str(steps), "--out_dir", out_dir,
-                *train_argv]
+        argv = [*train_argv, "--steps", str(steps), "--eval_every", "0", "--save_every", str(steps),
+                "--out_dir", out_dir]  # last: these win over a recipe's own
         args = train.get_args(argv)
         policy, history = train.main(argv)
     measured = history[TIMED_FROM:]
@@ -217,6 +217,13 @@ def step_parts(profile):
         # set_up puts the policy in train mode; the reference stays in the eval mode load_model gives it
         return f"3. score: {'old' if model.training else 'reference'} log-probs (token_logprobs)"
 
+    def critic_forward(*args, **kwargs):  # the scoring pass without gradients, the update's with them
+        if profile["stack"]:
+            return None
+        if torch.is_grad_enabled():
+            return "5. update: critic forward (critic_values)"
+        return "3. score: critic values (critic_values)"
+
     def loss(which, name):  # a loss names the backward pass and the optimizer step that follow it
         def label(*args, **kwargs):
             profile.update(backward=f"5. update: {which} backward", optimizer=f"5. update: {which} optimizer step")
@@ -234,13 +241,12 @@ def step_parts(profile):
         (train, "keep_high_variance_groups", top("2. filter (keep_high_variance_groups)")),
         (masks, "collate", top("2. collate (masks.collate)")),
         (train, "token_logprobs", scoring),
-        (train, "critic_values", lambda *args, **kwargs: None if profile["stack"] or torch.is_grad_enabled()
-         else "3. score: critic values (critic_values)"),
+        (train, "critic_values", critic_forward),
         (train, "cross_prompt_logprobs", top("3. score: RAGEN-2 probe (cross_prompt_logprobs)")),
         *[(masks, name, credit) for name in ("compute_gae", "grpo_advantages", "reinforce_pp_advantages",
                                                "masked_whiten", "explained_variance")],
-        (train, "critic_loss", loss("critic", "5. update: critic forward and loss (critic_loss)")),
-        (train, "policy_loss", loss("policy", "5. update: policy loss (policy_loss)")),
+        (masks, "value_loss", loss("critic", "5. update: critic loss (masks.value_loss)")),
+        (masks, "policy_loss", loss("policy", "5. update: policy loss (masks.policy_loss)")),
         (train, "clip_gradients", top("5. update: clip gradients (clip_gradients)")),
         (TorchSampler, "update_weights", top("6. sync (sampler.update_weights)")),
         (VLLMSampler, "update_weights", top("6. sync (sampler.update_weights)")),
@@ -248,7 +254,7 @@ def step_parts(profile):
         (rollout, "summarize", nested("metrics (rollout.summarize)")),
         (train, "kept_group", nested("trajectories kept (kept_group)")),
         (train, "append_jsonl", nested("write metrics and trajectories (append_jsonl)")),
-        (train, "evaluate_held_out", nested("held-out eval (evaluate_held_out)")),
+        (train, "evaluate_held_out", nested("held-out eval (eval.evaluate_held_out)")),
         (train, "save_checkpoint", nested("checkpoint: CPU copies, written in the background (save_checkpoint)")),
         (train, "finish_checkpoint", lambda *args, **kwargs: "wait for the previous checkpoint (finish_checkpoint)"
          if profile["stack"] else "end of run: wait for the last checkpoint's write (finish_checkpoint)"),

@@ -256,3 +256,37 @@ def latest_checkpoint(out_dir):
 def load_trainer_state(path):
     """The trainer_state dict saved with a checkpoint (step, RNG, history, ...)."""
     return torch.load(Path(path) / "trainer_state.pt", weights_only=False)
+
+
+def check_out_dir(out_dir, resume):
+    """Create train.py's --out_dir and write in it now, not at the first checkpoint an hour
+    in; its latest checkpoint, which --resume needs and a new run must not find."""
+    out_dir = Path(out_dir)
+    try:
+        out_dir.mkdir(parents=True, exist_ok=True)
+        Path(tempfile.mkstemp(dir=out_dir, prefix=".write-test")[1]).unlink()
+    except OSError as error:
+        raise UserError(f"--out_dir {out_dir} is not writable: {error}") from error
+    checkpoint = latest_checkpoint(out_dir)
+    if resume and checkpoint is None:
+        raise UserError(f"--resume: no complete checkpoint in {out_dir}")
+    if not resume and checkpoint is not None:
+        raise UserError(
+            f"{out_dir} already holds a run: pass --resume to continue it, "
+            "or choose another --out_dir"
+        )
+    return checkpoint
+
+
+def check_same_run(flags, saved_flags, may_change):
+    """Refuse to --resume a run's checkpoint with other flags than its trainer state's
+    `saved_flags`, but those in `may_change`; say which differ."""
+    changed = [
+        f"--{key} {saved_flags.get(key)!r} -> {value!r}" for key, value in flags.items()
+        if key not in may_change and saved_flags.get(key) != value
+    ]
+    if changed:
+        raise UserError(
+            f"--resume: {flags['out_dir']} holds a run with other flags ({'; '.join(changed)}); "
+            "resume with the run's own flags, or start a new run in another --out_dir"
+        )

@@ -58,7 +58,8 @@ from transformers.utils import logging as transformers_logging
 
 from nanoagent.checkpoint import save_atomically
 from nanoagent.common import UserError
-from nanoagent.parallel import forward_through_root, most_over_ranks
+from nanoagent.lora import add_lora
+from nanoagent.parallel import forward_through_root, is_sharded, most_over_ranks, shard_model
 
 # Qwen2.5's published chat template, verbatim: system block with the tools list,
 # `<tool_call>` JSON in assistant turns, tool results wrapped in `<tool_response>`
@@ -470,6 +471,35 @@ def load_critic(name_or_path, device="cpu", dtype=torch.float32):
 # ------------------------------------------------------------------------------
 # A forward pass that runs each shared prompt once (scoring, the warm-up)
 
+def load_for_training(
+    model_path, device, dtype, *, temperature, lora_rank, activation_checkpointing, with_critic,
+    reference_path,
+):
+    """(policy, tokenizer, critic, reference), as train.py's set-up wants them: the policy in
+    train mode, float32 (rank-lora_rank LoRA adapters when lora_rank > 0); PPO's critic
+    (with_critic) from the policy checkpoint, or restored with it; KL's reference (None
+    when reference_path is) in `dtype`. Sharded over the ranks when a process group is up
+    (FSDP2, nanoagent/parallel.py): built empty on the meta device, each rank's shards
+    filled from rank 0's read."""
+    built_on = torch.device("meta") if is_sharded() else device
+    policy, tokenizer = load_model(model_path, device=built_on)
+    # The temperature checkpoints' generation_config.json will say.
+    sample_as_trained(policy, temperature)
+    if lora_rank:  # before sharding: the adapters are sharded with their layers
+        add_lora(policy, lora_rank)
+    policy = shard_model(policy.train(), device, activation_checkpointing)
+    critic = reference = None
+    if with_critic:
+        critic_path = Path(model_path) / "critic"
+        critic_path = critic_path if critic_path.exists() else model_path
+        critic = load_critic(critic_path, device=built_on).train()
+        critic = shard_model(critic, device, activation_checkpointing)
+    if reference_path is not None:
+        reference = load_model(reference_path, device=built_on, dtype=dtype)[0]
+        reference = shard_model(reference, device)
+    return policy, tokenizer, critic, reference
+
+
 def shared_prompt_hidden(model, input_ids, attention_mask, prompt_lengths):
     """The model body's last hidden states (B, T, D) of right-padded rows, each
     distinct prompt run once (a GRPO group's G members share their prompt; the
@@ -535,6 +565,16 @@ def shared_prompt_hidden(model, input_ids, attention_mask, prompt_lengths):
         rows_in_order.append(rows[:used])
     # (B, T, D), in batch order
     return torch.cat(passes).index_select(0, torch.cat(rows_in_order).argsort())
+
+
+def can_share_prompts(model, loss_reads_prompts, recomputes_layers):
+    """May a group share its prompt's forward pass (shared_prompt_hidden)? Not when the loss
+    reads the prompt too, sliding-window layers keep part of its keys, or layers are
+    recomputed (activation checkpointing keeps no KV cache)."""
+    layer_types = getattr(model.config, "layer_types", None) or []
+    return (
+        not loss_reads_prompts and "sliding_attention" not in layer_types and not recomputes_layers
+    )
 
 
 def token_logprobs(

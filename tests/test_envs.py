@@ -338,7 +338,8 @@ def test_each_named_hub_dataset_is_asked_only_for_splits_it_has(monkeypatch):
 
 
 def test_the_readme_gsm8k_commands_held_out_evaluation_reads_gsm8ks_test_split(monkeypatch):
-    import train  # here: only this test needs the trainer
+    import eval as evaluation  # here: only this test needs the trainer and eval.py
+    import train
     rows = [json.loads(line) for line in (DATA / "gsm8k_sample.jsonl").read_text().splitlines()]
     asked = fake_hub(monkeypatch, rows)
     args = train.get_args([
@@ -354,7 +355,7 @@ def test_the_readme_gsm8k_commands_held_out_evaluation_reads_gsm8ks_test_split(m
     monkeypatch.setattr(train.rollout, "rollout", rollout)
     envs.cached_dataset.cache_clear()  # "gsm8k" must come from the fake Hub, and not stay
     try:
-        assert train.evaluate_held_out(None, None, args) == {"eval_success": 1.0, "eval_score": 1.0}
+        assert evaluation.evaluate_held_out(None, None, args) == {"eval_success": 1.0, "eval_score": 1.0}
     finally:
         envs.cached_dataset.cache_clear()
     assert asked == [("openai/gsm8k", "main", "test")]
@@ -518,7 +519,7 @@ def test_bandit_advantages_prefer_the_risky_arm_with_independent_coins():
             rewards = []
             for member in range(16):
                 env = envs.BanditEnv()
-                env.reset(group, episode=member if per_member_coin else 0)
+                env.reset(group, member=member if per_member_coin else 0)
                 rewards.append(env.step(f"<answer>{env.risky_arm if member < 8 else env.safe_arm}</answer>").reward)
             mean = sum(rewards) / 16
             std = (sum((r - mean) ** 2 for r in rewards) / 15) ** 0.5 if scale_by_std else 1.0
@@ -685,7 +686,7 @@ def test_frozen_lake_slippery_is_frozen_lake_with_slip_on():
     # The named env plays the same maps, slips and rewards as FrozenLake(slippery=True), turn by turn.
     for seed in range(20):
         named, lake = envs.ENVS["frozen_lake_slippery"](max_turns=6), envs.FrozenLakeEnv(slippery=True, max_turns=6)
-        assert named.reset(seed, episode=1) == lake.reset(seed, episode=1)
+        assert named.reset(seed, member=1) == lake.reset(seed, member=1)
         for action in ["Down", "Right", "Right", "Down", "Left", "Down"]:
             step, expected = named.step(f"<answer>{action}</answer>"), lake.step(f"<answer>{action}</answer>")
             assert step == expected

@@ -185,7 +185,7 @@ def test_a_runs_checkpoint_evaluated_bare_gives_the_runs_last_held_out_number(en
     out = tmp_path / "eval.json"
     args = evaluation.main(["--model", str(tmp_path / "run" / "step_000001"), "--json", str(out)])
     [row] = json.loads(out.read_text())
-    defaults = {**train.DEFAULTS, **envs.ENVS[env].train_defaults}
+    defaults = envs.run_defaults(env)
     assert (args.env, args.max_turns) == (env, defaults["max_turns"])
     assert args.max_total_tokens == defaults["max_total_tokens"]
     assert (row["episodes"], row["temp"], args.sample_seed) == (8, 1.0, 6)

@@ -182,18 +182,18 @@ def test_fp32_master_weights_move_at_lr_1e6_where_bf16_weights_do_not():
 
 CRITIC_SCRIPT = """
 import sys, warnings, torch, torch.distributed as dist
-import train
-from nanoagent.models import load_critic
+from nanoagent.models import critic_values, load_critic
+from nanoagent.parallel import shard_model
 dist.init_process_group("gloo")
 rank = dist.get_rank()
 critic = load_critic("tiny").train()
 torch.nn.init.normal_(critic.score.weight, std=0.1, generator=torch.Generator().manual_seed(0))  # not 0: grads flow
-critic = train.shard_model(critic, torch.device("cpu"))
+critic = shard_model(critic, torch.device("cpu"))
 input_ids = torch.load(sys.argv[1] + "/input_ids.pt")[2 * rank:2 * rank + 2]  # this rank's half of the batch
 with warnings.catch_warnings(record=True) as caught:
     warnings.simplefilter("always")
     for prompt_lengths in (None, torch.tensor([5, 5])):  # a plain pass, and a shared prompt
-        values = train.critic_values(critic, input_ids, torch.ones_like(input_ids), prompt_lengths)
+        values = critic_values(critic, input_ids, torch.ones_like(input_ids), prompt_lengths)
         values[:, 4:].square().sum().backward()  # summed over ranks by FSDP
 grads = {name: parameter.grad.full_tensor() for name, parameter in critic.named_parameters()}
 if rank == 0:

@@ -76,8 +76,8 @@ def sampler_threads_left(before):
     return [thread for thread in started if thread.is_alive()]
 
 
-def conversations_of(server, episode):
-    return [conversation for conversation in server.conversations if conversation.episode == episode]
+def conversations_of(server, episode_id):
+    return [conversation for conversation in server.conversations if conversation.episode_id == episode_id]
 
 
 def assert_is_the_rendered_conversation(trajectory, tokenizer, texts, replies):

@@ -18,6 +18,7 @@ import torch.distributed.checkpoint as dcp
 from peft import PeftModel
 from transformers import AutoModelForCausalLM
 
+import masks
 import monitors
 import train
 from nanoagent.checkpoint import checkpoint_problem, latest_checkpoint
@@ -57,14 +58,14 @@ def test_decoupled_clipping_on_crafted_ratios():
     mask = torch.ones(1, 6)
     for advantage in (1.0, -1.0):
         advantages = torch.full((1, 6), advantage)
-        loss, ratio = train.policy_loss(ratios.log(), old, advantages, mask, 0.2, 0.28, "token-mean", None)
+        loss, ratio = masks.policy_loss(ratios.log(), old, advantages, mask, 0.2, 0.28, "token-mean", None)
         # Reference, token by token: min(r A, clip(r, 0.8, 1.28) A), negated and averaged.
         expected = [-min(r * advantage, min(max(r, 0.8), 1.28) * advantage) for r in ratios[0].tolist()]
         assert loss.item() == pytest.approx(sum(expected) / 6, abs=1e-6)
         assert torch.allclose(ratio, ratios)
     # Gradient flows only where the clip is inactive: positive advantage -> ratios above 1.28 are frozen.
     logprobs = ratios.log().requires_grad_()
-    train.policy_loss(logprobs, old, torch.ones(1, 6), mask, 0.2, 0.28, "token-mean", None)[0].backward()
+    masks.policy_loss(logprobs, old, torch.ones(1, 6), mask, 0.2, 0.28, "token-mean", None)[0].backward()
     assert (logprobs.grad[0, 4:] == 0).all() and (logprobs.grad[0, 1:4] != 0).all()
 
 
@@ -77,7 +78,7 @@ def test_penalties_are_aggregated_like_the_policy_term():
                 "seq-mean-token-mean": ((1 + 3) / 2 + (2 + 2 + 2 + 6) / 4) / 2,  # every trajectory alike
                 "seq-mean-token-sum-norm": ((1 + 3) / 10 + (2 + 2 + 2 + 6) / 10) / 2}  # Dr.GRPO, constant 10
     for mode, value in expected.items():
-        loss, _ = train.policy_loss(zeros, zeros, zeros, mask, 0.2, 0.2, mode, 10, penalty)
+        loss, _ = masks.policy_loss(zeros, zeros, zeros, mask, 0.2, 0.2, mode, 10, penalty)
         assert loss.item() == pytest.approx(value), mode
 
 
@@ -106,13 +107,13 @@ def test_on_policy_ratio_is_exactly_one_and_a_single_update_lowers_the_loss(tiny
     with torch.no_grad():
         old, _ = train.token_logprobs(model, input_ids, attention_mask, 1.0)
     logprobs, _ = train.token_logprobs(model, input_ids, attention_mask, 1.0)
-    loss, ratio = train.policy_loss(logprobs, old, advantages, mask, 0.2, 0.2, "token-mean", None)
+    loss, ratio = masks.policy_loss(logprobs, old, advantages, mask, 0.2, 0.2, "token-mean", None)
     assert torch.equal(ratio, torch.ones_like(ratio))  # same weights, same inputs: the ratio is exactly 1
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     loss.backward()
     optimizer.step()
     with torch.no_grad():
-        after, _ = train.policy_loss(train.token_logprobs(model, input_ids, attention_mask, 1.0)[0], old, advantages,
+        after, _ = masks.policy_loss(train.token_logprobs(model, input_ids, attention_mask, 1.0)[0], old, advantages,
                                      mask, 0.2, 0.2, "token-mean", None)
     assert after.item() < loss.item()
 
@@ -207,7 +208,7 @@ def test_critic_values_with_a_shared_prompt_pass_match_and_have_no_dropout_noise
     read = (attention_mask == 1) & (torch.arange(11) >= 4)  # from the last prompt token on
     assert torch.allclose(plain[read], shared[read], atol=1e-5)
     # Bootstrapping reads the value after each cut row's last real token; an ended row gets 0.
-    last = train.bootstrap_values(plain, attention_mask, torch.tensor([True, True, False, True]))
+    last = masks.bootstrap_values(plain, attention_mask, torch.tensor([True, True, False, True]))
     assert last.tolist() == [plain[0, 10].item(), plain[1, 7].item(), 0.0, plain[3, 10].item()]
 
 
@@ -216,7 +217,7 @@ def test_environment_tokens_get_no_gradient(tiny_batch):
     advantages = torch.randn(3, 19)  # nonzero everywhere, env positions included
     logprobs, _ = train.token_logprobs(model, input_ids, attention_mask, 1.0)
     logprobs.retain_grad()
-    loss, _ = train.policy_loss(logprobs, logprobs.detach(), advantages, mask, 0.2, 0.2, "token-mean", None)
+    loss, _ = masks.policy_loss(logprobs, logprobs.detach(), advantages, mask, 0.2, 0.2, "token-mean", None)
     loss.backward()
     assert (logprobs.grad[mask == 0] == 0).all() and (logprobs.grad[mask == 1] != 0).all()
     model.zero_grad(set_to_none=True)
@@ -420,9 +421,9 @@ def test_truncated_importance_weights_by_hand():
     trainer = torch.tensor([[-1.0, -2.0, -0.5]])
     sampler = torch.tensor([[-1.0, -2.5, 0.5]])
     expected = torch.tensor([[1.0, math.exp(0.5), math.exp(-1.0)]])
-    assert torch.allclose(train.truncated_importance_weights(trainer, sampler, cap=2.0), expected)
-    assert torch.allclose(train.truncated_importance_weights(trainer, sampler, cap=1.5), expected.clamp(max=1.5))
-    assert torch.equal(train.truncated_importance_weights(trainer, trainer, cap=2.0), torch.ones(1, 3))  # no mismatch
+    assert torch.allclose(masks.truncated_importance_weights(trainer, sampler, cap=2.0), expected)
+    assert torch.allclose(masks.truncated_importance_weights(trainer, sampler, cap=1.5), expected.clamp(max=1.5))
+    assert torch.equal(masks.truncated_importance_weights(trainer, trainer, cap=2.0), torch.ones(1, 3))  # no mismatch
 
 
 def shifted_sampler(shift):
@@ -675,9 +676,9 @@ FAULTS = BANDIT + ["--save_every", "2"]
 DYING_RUN = """
 import os, signal, sys, threading
 import torch
-import train
+import masks, train
 where, at, argv = sys.argv[1], int(sys.argv[2]), sys.argv[3:]
-calls, original_loss, original_save = {"step": 0, "save": 0}, train.policy_loss, torch.save
+calls, original_loss, original_save = {"step": 0, "save": 0}, masks.policy_loss, torch.save
 original_checkpoint, next_update = train.save_checkpoint, threading.Event()
 def save_checkpoint(*args, **kwargs):  # keep the save being written in the background
     calls["saving"] = original_checkpoint(*args, **kwargs)
@@ -702,7 +703,7 @@ def save(state, path, *args, **kwargs):  # die halfway through writing the `at`-
                 handle.write(b"half a checkpoint")
             os.kill(os.getpid(), signal.SIGKILL)
     return original_save(state, path, *args, **kwargs)
-train.policy_loss, torch.save, train.save_checkpoint = policy_loss, save, save_checkpoint
+masks.policy_loss, torch.save, train.save_checkpoint = policy_loss, save, save_checkpoint
 train.main(argv)
 """
 
