@@ -14,6 +14,7 @@ it too: the same work, and TRL's faster setting on this model).
     python bench/bench_trl.py                       # 3 seeds x (nanoagent, then TRL), 30 steps each
     python bench/bench_trl.py --steps 100 --rounds 1
     python bench/bench_trl.py --profile             # and each run's table of where its steps' time goes
+    python bench/bench_trl.py --real --steps 6 --rounds 2   # SmolLM2-135M-Instruct on the calculator
 
 How the env reaches TRL (its `environment_factory` interface, TRL >= 1.x):
   - `reset(seed=...)` receives the dataset row, whose prompt is the env's own opening messages;
@@ -32,7 +33,7 @@ Each run is its own process, so that peak memory (the process's peak RSS) is its
 framework: seconds per step and tokens per second over steps 3..N (the first two pay for start-up),
 trajectory tokens per step (prompt + completion, tool results included), peak memory, the training
 success rate of the last 5 steps, and the held-out success after the last step, measured for both by
-the same evaluator (train.evaluate_held_out: 128 held-out seeds, sampled at temperature 1). With --profile, each
+the same evaluator (eval.evaluate_held_out: 128 held-out seeds, sampled at temperature 1). With --profile, each
 run also prints where its timed steps' time goes, by bench_train.py's timers: nanoagent's parts as
 `bench_train.py --profile` names them, TRL's by the GRPOTrainer methods a step calls (trl_parts).
 """
@@ -52,6 +53,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the concept files live at the repository root
 import envs  # noqa: E402
+import eval as evaluation  # noqa: E402
 import rollout  # noqa: E402
 import tools  # noqa: E402
 import train  # noqa: E402
@@ -59,24 +61,65 @@ from bench_train import (TIMED_FROM, new_profile, new_step, new_turn, peak_memor
                          profile_table, profiling, step_parts, timed_run)  # bench/ is this script's own folder
 from nanoagent.models import load_model, load_tokenizer, resolve_model_path  # noqa: E402
 from nanoagent.sampler import TorchSampler  # noqa: E402
+from real_model_recipe import RECIPE  # noqa: E402
 
 
-def bench_flags(seed):
-    """train.py's flags for the benchmark: its defaults, with the env's episodes ending as TRL's do."""
-    return ["--seed", str(seed), "--env_options", json.dumps({"end_on_format_error": True})]
+def bench_flags(seed, real=False):
+    """train.py's flags for the benchmark: its defaults (real: the real model's recipe, RECIPE), with the
+    env's episodes ending as TRL's do."""
+    return [*(RECIPE if real else []), "--seed", str(seed),
+            "--env_options", json.dumps({"end_on_format_error": True})]
+
+
+class TRLEnv:
+    """nanoagent's env in TRL's environment_factory shape: reset(**row), one documented method per tool
+    (TRL renders the tool's schema from the method's docstring). make_env: set by run_trl."""
+    make_env = None
+
+    def __init__(self):
+        self.env = type(self).make_env()
+
+    def reset(self, seed, **row):
+        self.env.reset(seed)
+
+    def call(self, name, **arguments):
+        return tools.run_tool_call(tools.ToolCall(name, arguments), self.env.tools)[0]
+
+
+class SearchEnv(TRLEnv):
+    def search(self, query: str):
+        """Look up a name; returns the facts about it.
+
+        Args:
+            query: A name.
+        """
+        return self.call("search", query=query)
+
+
+class CalculatorEnv(TRLEnv):
+    def calculator(self, expression: str):
+        """Evaluate an arithmetic expression with + - * / ** (or ^) and parentheses, e.g. (2.5 + 3) * -4.
+
+        Args:
+            expression: The arithmetic expression to evaluate.
+        """
+        return self.call("calculator", expression=expression)
+
+
+TRL_ENVS = {"synthetic_qa": (SearchEnv, "search"), "calculator": (CalculatorEnv, "calculator")}
 
 
 def held_out_success(model, tokenizer, args):
     """train.py's evaluation of `model`: the same seeds, sampler and settings for both frameworks."""
     sampler = TorchSampler(model, batch_size=32)
-    return train.evaluate_held_out(sampler, tokenizer, args, rank=0, world_size=1)["eval_success"]
+    return evaluation.evaluate_held_out(sampler, tokenizer, args, rank=0, world_size=1)["eval_success"]
 
 
-def run_nanoagent(steps, seed, profile=None):
+def run_nanoagent(steps, seed, real, profile=None):
     """train.main for `steps` GRPO steps; returns the measurements. With a `profile` (bench_train.new_profile),
     the steps' parts are timed into it as `bench_train.py --profile` times them."""
     with profiling(profile, step_parts(profile)) if profile else contextlib.nullcontext():
-        args, policy, history, seconds, tokens = timed_run(bench_flags(seed), steps)
+        args, policy, history, seconds, tokens = timed_run(bench_flags(seed, real), steps)
     tokenizer = load_tokenizer(resolve_model_path(args.model))  # the warm-up keeps the model's own
     return {"seconds_per_step": seconds, "tokens_per_step": tokens,
             "train_success": statistics.fmean(h["success"] for h in history[-5:]),
@@ -116,7 +159,7 @@ def trl_parts(profile, trainer_class, accelerator_class):
             (accelerator_class, "clip_grad_norm_", lambda *args, **kwargs: "5. update: clip gradients")]
 
 
-def run_trl(steps, seed, profile=None):
+def run_trl(steps, seed, real, profile=None):
     """TRL's GRPOTrainer for `steps` steps on the same model, env and settings; returns the measurements.
     With a `profile`, the steps' parts are timed into it (trl_parts)."""
     os.environ["TRL_EXPERIMENTAL_SILENCE"] = "1"  # environment_factory is marked experimental in TRL 1.x
@@ -126,31 +169,16 @@ def run_trl(steps, seed, profile=None):
     from trl import GRPOConfig, GRPOTrainer
 
     with tempfile.TemporaryDirectory() as out_dir:
-        args = train.get_args(["--steps", str(steps), *bench_flags(seed)])
+        args = train.get_args([*bench_flags(seed, real), "--steps", str(steps)])
         model, tokenizer = load_model(train.warm_up(args))  # float32, like train.py on CPU
         make_env = envs.env_factory(args.env, args.env_options, data=args.data, split="train")
-
-        class SearchEnv:
-            """nanoagent's env in TRL's environment_factory shape: reset(**row), one method per tool."""
-
-            def __init__(self):
-                self.env = make_env()
-
-            def reset(self, seed, **row):
-                self.env.reset(seed)
-
-            def search(self, query: str):
-                """Look up a name; returns the facts about it.
-
-                Args:
-                    query: A name.
-                """
-                return tools.run_tool_call(tools.ToolCall("search", {"query": query}), self.env.tools)[0]
+        env_class, tool_name = TRL_ENVS[args.env]
+        env_class.make_env = staticmethod(make_env)
 
         # train.py's seeds for steps 0..steps-1, in its order; TRL repeats each row group_size times.
         seeds = [step * args.prompts_per_step + i for step in range(steps) for i in range(args.prompts_per_step)]
         openings = [make_env().reset(seed) for seed in seeds]  # (messages, tool schemas)
-        trl_tools = [SearchEnv().search]  # what TRL renders: the method, through its docstring
+        trl_tools = [getattr(env_class(), tool_name)]  # what TRL renders: the method, through its docstring
         prompt_lengths = {}
         for seed, (messages, schemas) in zip(seeds, openings):
             ours = rollout.render(tokenizer, messages, schemas, add_generation_prompt=True)
@@ -202,7 +230,7 @@ def run_trl(steps, seed, profile=None):
             gradient_checkpointing=False,
             logging_steps=1, report_to="none", save_strategy="no", disable_tqdm=False)
         trainer = GRPOTrainer(model=model, processing_class=tokenizer, reward_funcs=env_reward, args=config,
-                              train_dataset=dataset, environment_factory=SearchEnv, callbacks=[StepTimer()])
+                              train_dataset=dataset, environment_factory=env_class, callbacks=[StepTimer()])
         with profiling(profile, trl_parts(profile, GRPOTrainer, Accelerator)) if profile else contextlib.nullcontext():
             trainer.train()
         per_step = step_log["per_step"]
@@ -219,6 +247,9 @@ def main():
     parser.add_argument("--steps", type=int, default=30, help="training steps per run (at least 3)")
     parser.add_argument("--rounds", type=int, default=3,
                         help="rounds; round r runs nanoagent, then TRL, with train.py's default seed + r")
+    parser.add_argument("--real", action="store_true",
+                        help="SmolLM2-135M-Instruct on the calculator, from the real model's SFT warm-up, at its "
+                        "recipe's settings (bench/real_model_recipe.py), instead of the tiny model on synthetic QA")
     parser.add_argument("--profile", action="store_true",
                         help="print where each run's timed steps go (the timers are on for both sides)")
     parser.add_argument("--worker", choices=["nanoagent", "trl"], help=argparse.SUPPRESS)  # one run, in a child
@@ -230,7 +261,7 @@ def main():
         parser.error("--rounds must be at least 1")
     if cli.worker:
         profile = new_profile() if cli.profile else None
-        result = (run_nanoagent if cli.worker == "nanoagent" else run_trl)(cli.steps, cli.seed, profile)
+        result = (run_nanoagent if cli.worker == "nanoagent" else run_trl)(cli.steps, cli.seed, cli.real, profile)
         if profile:  # the table's lines start with "|": the parent prints them
             total = profile["end"] - profile["start"]
             print_table(profile_table(profile, total, cli.steps - TIMED_FROM, 1000), "ms/step", "calls/step")
@@ -242,18 +273,20 @@ def main():
     except ImportError:
         sys.exit("TRL is not installed: pip install -r bench/requirements-bench.txt")
     results = {"nanoagent": [], "trl": []}
-    first_seed = train.get_args([]).seed  # from train.py's default seed on, the seeds a newcomer's run meets
+    # From train.py's default seed on, the seeds a newcomer's run meets; the real model's recipe from 0.
+    first_seed = 0 if cli.real else train.get_args([]).seed
     for seed in range(first_seed, first_seed + cli.rounds):
         # Seed s: train.py's warm-up with seed s (cached, and done before any timing), then both RL runs
         # from it with seed s. Alternating the two spreads the machine's slow moments over both.
-        args = train.get_args(bench_flags(seed))
+        args = train.get_args(bench_flags(seed, cli.real))
         model, tokenizer = load_model(train.warm_up(args))
         start = held_out_success(model, tokenizer, args)
         print(f"round {seed - first_seed + 1}/{cli.rounds} (seed {seed}): held-out success of the warm-up {start:.3f}",
               flush=True)
         for name in results:
             child = subprocess.run([sys.executable, __file__, "--worker", name, "--steps", str(cli.steps),
-                                    "--seed", str(seed), *(["--profile"] if cli.profile else [])],
+                                    "--seed", str(seed), *(["--profile"] if cli.profile else []),
+                                    *(["--real"] if cli.real else [])],
                                    capture_output=True, text=True)
             lines = [line for line in child.stdout.splitlines() if line.startswith("RESULT ")]
             if child.returncode != 0 or not lines:
@@ -267,7 +300,8 @@ def main():
     def median(name, key):
         return statistics.median(run[key] for run in results[name])
 
-    print(f"\ntiny model, synthetic QA, {args.prompts_per_step} prompts x {args.group_size} samples per step, "
+    task = "SmolLM2-135M-Instruct, calculator" if cli.real else "tiny model, synthetic QA"
+    print(f"\n{task}, {args.prompts_per_step} prompts x {args.group_size} samples per step, "
           f"{cli.steps} steps, {torch.get_num_threads()} threads, torch {torch.__version__}, TRL {trl.__version__}; "
           f"median of {cli.rounds} seeds")
     print("| | seconds/step | steps/s | tokens/s | peak memory (MB) | train success (last 5 steps) "

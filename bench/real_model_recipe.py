@@ -29,17 +29,8 @@ RECIPE = ["--model", "smollm2-135m", "--env", "calculator", "--warmup_clean_step
           "--prompts_per_step", "4", "--group_size", "4", "--max_new_tokens", "48", "--max_turns", "3",
           "--max_total_tokens", "640", "--lr", "2e-5", "--eval_every", "10", "--eval_episodes", "64"]
 
-parser = argparse.ArgumentParser(description="SmolLM2-135M on the calculator: SFT + RL against SFT alone")
-parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
-parser.add_argument("--sft_alone_steps", type=int, default=120)
-parser.add_argument("--runs", default=str(REPO / "runs" / "real_model"))
-parser.add_argument("--collect", action="store_true", help="only gather the runs into the json")
-parser.add_argument("--out", default=str(REPO / "docs" / "smollm2_calculator.json"))
-args = parser.parse_args()
-runs = Path(args.runs)
 
-
-def train(name, flags, stop_after_step_0=False):
+def train(runs, name, flags, stop_after_step_0=False):
     """train.py with the recipe and `flags` into runs/NAME, one thread; its wall time in seconds."""
     command = [sys.executable, "train.py", *RECIPE, *flags, "--out_dir", str(runs / name)]
     start = time.time()
@@ -52,14 +43,7 @@ def train(name, flags, stop_after_step_0=False):
     (runs / name / "wall_s.txt").write_text(f"{time.time() - start:.0f}\n")
 
 
-if not args.collect:
-    for seed in args.seeds:
-        train(f"sft_rl_seed{seed}", ["--seed", str(seed)])
-        train(f"sft_alone_seed{seed}", ["--seed", str(seed), "--warmup_steps", str(args.sft_alone_steps),
-                                      "--steps", "1", "--eval_every", "1000"], stop_after_step_0=True)
-
-
-def collected(name):
+def collected(runs, name):
     """{step: held-out success}, the wall time, and the first member of the first and last kept groups."""
     history = [json.loads(line) for line in (runs / name / "metrics.jsonl").read_text().splitlines()]
     groups = [json.loads(line) for line in (runs / name / "trajectories.jsonl").read_text().splitlines()] \
@@ -69,9 +53,25 @@ def collected(name):
             "wall_s": int((runs / name / "wall_s.txt").read_text()), "samples": samples}
 
 
-result = {"command": "python train.py " + " ".join(RECIPE) + " --seed S", "sft_alone_steps": args.sft_alone_steps,
-          "runs": {f"{arm}_seed{seed}": collected(f"{arm}_seed{seed}") for seed in args.seeds
-                   for arm in ("sft_rl", "sft_alone")}}
-Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
-print(json.dumps({name: (measured["held_out"], measured["wall_s"]) for name, measured in result["runs"].items()},
-                 indent=1))
+def main():
+    parser = argparse.ArgumentParser(description="SmolLM2-135M on the calculator: SFT + RL against SFT alone")
+    parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+    parser.add_argument("--sft_alone_steps", type=int, default=120)
+    parser.add_argument("--runs", default=str(REPO / "runs" / "real_model"))
+    parser.add_argument("--collect", action="store_true", help="only gather the runs into the json")
+    parser.add_argument("--out", default=str(REPO / "docs" / "smollm2_calculator.json"))
+    args = parser.parse_args()
+    runs = Path(args.runs)
+    if not args.collect:
+        for seed in args.seeds:
+            train(runs, f"sft_rl_seed{seed}", ["--seed", str(seed)])
+            train(runs, f"sft_alone_seed{seed}", ["--seed", str(seed), "--warmup_steps", str(args.sft_alone_steps),
+                                                "--steps", "1", "--eval_every", "1000"], stop_after_step_0=True)
+    result = {"command": "python train.py " + " ".join(RECIPE) + " --seed S", "sft_alone_steps": args.sft_alone_steps,
+              "runs": {f"{arm}_seed{seed}": collected(runs, f"{arm}_seed{seed}") for seed in args.seeds
+                       for arm in ("sft_rl", "sft_alone")}}
+    Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()
