@@ -73,16 +73,17 @@ def bench_flags(seed, real=False):
 
 class TRLEnv:
     """nanoagent's env in TRL's environment_factory shape: reset(**row), one documented method per tool
-    (TRL renders the tool's schema from the method's docstring). make_env: set by run_trl."""
-    make_env = None
+    (TRL renders the tool's schema from the method's docstring, and takes every public function of the
+    class for a tool: the rest is private). _make_env: set by run_trl."""
+    _make_env = None
 
     def __init__(self):
-        self.env = type(self).make_env()
+        self.env = type(self)._make_env()
 
     def reset(self, seed, **row):
         self.env.reset(seed)
 
-    def call(self, name, **arguments):
+    def _call(self, name, **arguments):
         return tools.run_tool_call(tools.ToolCall(name, arguments), self.env.tools)[0]
 
 
@@ -93,7 +94,7 @@ class SearchEnv(TRLEnv):
         Args:
             query: A name.
         """
-        return self.call("search", query=query)
+        return self._call("search", query=query)
 
 
 class CalculatorEnv(TRLEnv):
@@ -103,7 +104,7 @@ class CalculatorEnv(TRLEnv):
         Args:
             expression: The arithmetic expression to evaluate.
         """
-        return self.call("calculator", expression=expression)
+        return self._call("calculator", expression=expression)
 
 
 TRL_ENVS = {"synthetic_qa": (SearchEnv, "search"), "calculator": (CalculatorEnv, "calculator")}
@@ -173,7 +174,7 @@ def run_trl(steps, seed, real, profile=None):
         model, tokenizer = load_model(train.warm_up(args))  # float32, like train.py on CPU
         make_env = envs.env_factory(args.env, args.env_options, data=args.data, split="train")
         env_class, tool_name = TRL_ENVS[args.env]
-        env_class.make_env = staticmethod(make_env)
+        env_class._make_env = staticmethod(make_env)
 
         # train.py's seeds for steps 0..steps-1, in its order; TRL repeats each row group_size times.
         seeds = [step * args.prompts_per_step + i for step in range(steps) for i in range(args.prompts_per_step)]
