@@ -174,8 +174,9 @@ def evaluate(
 
 
 def evaluate_held_out(sampler, tokenizer, args, rank=0, world_size=1, device="cpu", server=None):
-    """Held-out success rate and mean score at the training temperature, over all ranks; with a
-    `server`, the --agent program plays (a failed episode is left out)."""
+    """train.py's held-out evaluation under its settings `args`: success rate and mean score at
+    the training temperature, over all ranks; with a `server`, the --agent program plays (a
+    failed episode is left out)."""
     # search_qa, math: rows of the held-out split (envs.read_rows: each dataset's own)
     seeds = list(envs.eval_seeds(args.eval_episodes, args.env))[rank::world_size]
     if server is not None:

@@ -338,9 +338,8 @@ def set_up(args):
         rank=rank, world_size=world_size, device=device, dtype=dtype, out_dir=Path(args.out_dir),
         policy=policy, critic=critic, reference=reference, reference_path=str(reference_path),
         tokenizer=tokenizer, sampler=sampler, make_env=make_env, optimizers=optimizers,
-        history=history, control=control, share_prompts=can_share_prompts(
-            policy, args.no_action_mask, args.activation_checkpointing
-        ),
+        history=history, control=control,
+        share_prompts=can_share_prompts(policy, args.no_action_mask, args.activation_checkpointing),
         start_step=trainer_state["step"] if trainer_state else 0, logger=logger, server=server,
     )
     if args.eval_every > 0 and run.start_step == 0:

@@ -280,7 +280,7 @@ class TorchSampler:
 
     def prefill_in_buckets(self, input_ids, attention_mask, position_ids, cache):
         """last_logits without a reused prefix, rows of like length run together: left padding
-        to the longest prompt spends a third of a CPU's prefill on pads (docs/performance.md).
+        to the longest prompt spends a CPU's prefill on pads, as many as the lengths differ.
         A bucket is the rows, longest first, down to 1/PREFILL_PADDING of its longest, cut to
         its own width; its keys and values go to the rows' last columns, as one pass's do."""
         lengths = attention_mask.sum(dim=1).tolist()  # (U,) no pads between a row's tokens

@@ -8,7 +8,7 @@ import torch
 
 from masks import (aggregate_loss, anchor_groups, compute_gae, explained_variance, gigpo_advantages, grpo_advantages,
                    kl_estimate, last_agent_positions, masked_mean, masked_whiten, place_rewards,
-                   reinforce_pp_advantages, spread_over_turns, states_before_turns)
+                   reinforce_pp_advantages, spread_over_turns, states_before_turns, value_loss)
 
 
 # -----------------------------------------------------------------------------
@@ -450,3 +450,16 @@ def test_masked_policy_loss_gets_no_gradient_from_env_positions(mode):
     noise[0, 0], noise[1, -1] = -torch.inf, torch.inf
     perturbed = aggregate_loss(-advantages * (logprobs.detach() + noise), mask, mode)
     assert perturbed == loss.detach()
+
+
+def test_clipped_value_loss_matches_hand_computed_values():
+    # 0.5 max((V - R)^2, (clip(V, V_old +- 0.2) - R)^2), token by token: the clip binds only where it makes the
+    # loss larger (PPO's pessimistic value loss).
+    values, old = torch.tensor([[1.0, 0.5, 0.0]]), torch.tensor([[0.5, 0.5, 0.5]])
+    returns = torch.tensor([[0.0, 1.0, 0.1]])
+    expected = []
+    for v, o, r in zip(values[0].tolist(), old[0].tolist(), returns[0].tolist()):
+        clipped = o + max(-0.2, min(0.2, v - o))
+        expected.append(0.5 * max((v - r) ** 2, (clipped - r) ** 2))
+    assert expected == pytest.approx([0.5, 0.125, 0.02])  # token 3: the clipped 0.3 is further from R than 0.0
+    assert torch.allclose(value_loss(values, old, returns, 0.2), torch.tensor([expected]))
