@@ -72,7 +72,7 @@ class StepResult:
     info: dict  # success, tool_calls, invalid_calls, format_error; QA: answer, em, f1, calls
 
 # -----------------------------------------------------------------------------
-# Scoring answers: SQuAD-style exact match, token F1 and substring match
+# Scoring answers: SQuAD-style exact match and token F1
 
 
 def normalize_answer(text: str) -> str:
@@ -193,11 +193,11 @@ class ToolEnv:
         thought_first, action_text = split_thinking(assistant_text)
         self.well_formed = thought_first or not self.require_think
         self.answer = extract_answer(action_text) if self.well_formed else None
-        calls = []
-        if self.well_formed:
-            calls = tools.parse_tool_calls(action_text, self.tools, self.max_calls_per_turn)
-        self.calls = calls  # counted, not run, in a turn that answers
-        return calls if self.answer is None else []
+        self.calls = (  # counted, not run, in a turn that answers
+            tools.parse_tool_calls(action_text, self.tools, self.max_calls_per_turn)
+            if self.well_formed else []
+        )
+        return self.calls if self.answer is None else []
 
     def finish_turn(self, results: list[tuple[str, bool]]) -> StepResult:
         """The second half: (output, ok) of each call read_turn returned -> StepResult."""
@@ -498,9 +498,8 @@ class SyntheticQAEnv(ToolEnv):
         return bool(new_facts)
 
     def demonstration(self, mistake_rate=0.0, rng=None) -> Iterable[str]:
-        """This episode's assistant turns (after reset), for sft.py: a search per hop, each
-        for the entity the last result named, then the answer; each decision wrong with
-        probability `mistake_rate`, as a weak agent's."""
+        """A search per hop, each for the entity the last result named, then the answer;
+        each decision wrong with probability `mistake_rate`, as a weak agent's."""
         rng = rng or random.Random(0)
 
         def think(thought):
@@ -567,14 +566,14 @@ class CalculatorEnv(ToolEnv):
                 f"A shop has {boxes} boxes of {per_box} nails each and sells {given} nails. "
                 "How many nails are left?"
             )
-            answer, expression = boxes * per_box - given, f"{boxes} * {per_box} - {given}"
+            answer, self.expression = boxes * per_box - given, f"{boxes} * {per_box} - {given}"
         elif kind == 1:
             per_hour, hours, days = rng.randint(100, 999), rng.randint(10, 24), rng.randint(10, 99)
             question = (
                 f"A factory makes {per_hour} bolts an hour, {hours} hours a day, for {days} "
                 "days. How many bolts does it make?"
             )
-            answer, expression = per_hour * hours * days, f"{per_hour} * {hours} * {days}"
+            answer, self.expression = per_hour * hours * days, f"{per_hour} * {hours} * {days}"
         else:
             shelves, per_shelf = rng.randint(12, 99), rng.randint(100, 999)
             bought = rng.randint(100, shelves * per_shelf - 100)
@@ -583,14 +582,13 @@ class CalculatorEnv(ToolEnv):
                 f"It puts them equally on {shelves} shelves. How many books are on each shelf?"
             )
             answer = per_shelf
-            expression = f"({shelves * per_shelf - bought} + {bought}) / {shelves}"
-        self.expression = expression
+            self.expression = f"({shelves * per_shelf - bought} + {bought}) / {shelves}"
         return question, [str(answer)], [tools.calculator_tool()]
 
     def demonstration(self, mistake_rate=0.0, rng=None) -> Iterable[str]:
-        """This episode's assistant turns (after reset), for sft.py: the calculator on the
-        question's numbers, then the value it returns; with probability `mistake_rate` a
-        number is miscopied into the expression, and its wrong value answered."""
+        """The calculator on the question's numbers, then the value it returns; with
+        probability `mistake_rate` a number is miscopied into the expression, and its wrong
+        value answered."""
         rng = rng or random.Random(0)
         expression = self.expression
         if rng.random() < mistake_rate:
@@ -627,8 +625,7 @@ class ComputeEnv(ToolEnv):
         "the result, then give the number as <answer>...</answer>."
     )
     # A call carries its program (96 tokens). Copying long numbers takes 4 layers, not 2,
-    # which learn steadily at half the main job's rate; 0.85 leaves a weak agent
-    # (docs/results.md).
+    # which learn steadily; 0.85 leaves a weak agent (docs/results.md).
     train_defaults = {
         "max_new_tokens": 96, "model": "tiny-deep", "lr": 5e-4, "warmup_mistake_rate": 0.85,
     }
@@ -668,10 +665,9 @@ class ComputeEnv(ToolEnv):
         return question.format(**self.numbers), [str(solve(**self.numbers))], [PYTHON_TOOL]
 
     def demonstration(self, mistake_rate=0.0, rng=None) -> Iterable[str]:
-        """This episode's assistant turns (after reset), for sft.py: the kind's program,
-        then the number it prints, each copy wrong with probability mistake_rate (a digit
-        miscopied). The agent always calls the tool (guesses, as in QA's flawed
-        demonstrations, taught it to stop); RL sharpens the copying."""
+        """The kind's program, then the number it prints, each copy wrong with probability
+        mistake_rate (a digit miscopied). The agent always calls the tool (guesses, as in
+        QA's flawed demonstrations, taught it to stop); RL sharpens the copying."""
         rng = rng or random.Random(0)
         self.tools = {"python": DEMONSTRATION_PYTHON_TOOL}
         numbers = dict(self.numbers)
@@ -798,7 +794,7 @@ class GameEnv:
                 "Invalid reply: give your action as <answer>...</answer>, "
                 f"one of {', '.join(self.actions)}."
             )
-        canonical = {action.lower(): action for action in self.actions}  # case-insensitive
+        canonical = {action.lower(): action for action in self.actions}
         words = [word.strip() for word in answer.split("||")][:self.max_actions_per_turn]
         unknown = [word for word in words if word.lower() not in canonical]
         if unknown:
@@ -827,8 +823,8 @@ class GameEnv:
         return StepResult([{"role": "user", "content": observation}], reward, self.done, info)
 
     def demonstration(self, mistake_rate=0.0, rng=None) -> Iterable[str]:
-        """Warm-up replies, one a turn, read as the env steps: the optimal next actions
-        (`plan()`), each swapped for another with probability `mistake_rate`."""
+        """A reply a turn: the optimal next actions (`plan()`), each swapped for another
+        with probability `mistake_rate`."""
         rng = rng or random.Random(0)
         while True:
             actions = (self.plan() or [rng.choice(self.actions)])[:self.max_actions_per_turn]

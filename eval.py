@@ -204,7 +204,7 @@ AGENT_COLOR, ENV_COLOR, RESET = "\033[32m", "\033[90m", "\033[0m"
 
 def chat(
     sampler, tokenizer, env, seed=0, max_turns=4, max_new_tokens=256, max_total_tokens=4096,
-    temperature=0.0, read=input, write=print, color=False,
+    temperature=0.0, read=input, color=False,
 ):
     """The module docstring's chat, until read() raises EOFError (Ctrl-D) or returns
     "exit"/"quit". Any sampler with generate() (tests script one)."""
@@ -212,7 +212,7 @@ def chat(
     messages, tool_schemas = env.reset(seed)
     tool_dict = getattr(env, "tools", {})
     question = messages[-1]["content"]
-    write(f"tools: {', '.join(tool_dict) or 'none'}   (env question for seed {seed}: {question!r})")
+    print(f"tools: {', '.join(tool_dict) or 'none'}   (env question for seed {seed}: {question!r})")
     end_of_turn = tokenizer.convert_tokens_to_ids(rollout.END_OF_TURN)
     stop_token_ids = [tokenizer.convert_tokens_to_ids(token) for token in rollout.STOP_TOKENS]
     token_ids, turn = [], 0
@@ -220,7 +220,7 @@ def chat(
         try:
             user_text = read("you> ").strip()
         except (EOFError, KeyboardInterrupt):
-            write("")
+            print()
             return
         if user_text in ("exit", "quit"):
             return
@@ -233,7 +233,7 @@ def chat(
             )
         for step in range(max_turns):
             if len(token_ids) >= max_total_tokens:
-                write(f"[context full: {len(token_ids)} tokens; start a new chat]")
+                print(f"[context full: {len(token_ids)} tokens; start a new chat]")
                 return
             generation = sampler.generate(
                 [token_ids], min(max_new_tokens, max_total_tokens - len(token_ids)),
@@ -243,20 +243,20 @@ def chat(
             sampled, closing = rollout.close_turn(generation, end_of_turn)
             token_ids += generation.token_ids + closing  # as sampled, like rollout's trajectories
             text = tokenizer.decode(sampled)
-            write(f"{agent_color}agent> {text}{plain}")
+            print(f"{agent_color}agent> {text}{plain}")
             action_text = envs.split_thinking(text)[1]
             calls = tools.parse_tool_calls(action_text, tool_dict) if tool_dict else []
             if not calls:
                 break
             if step == max_turns - 1:  # no turn would follow: the chat must end on <|im_end|>
                 limit = f"turn limit {max_turns} reached: these calls were not run"
-                write(f"{env_color}  [{limit}]{plain}")
+                print(f"{env_color}  [{limit}]{plain}")
                 break
             observations = []
             for call in calls:
-                output, ok = tools.run_tool_call(call, tool_dict)
+                output, _ = tools.run_tool_call(call, tool_dict)
                 arguments = json.dumps(call.arguments)
-                write(f"{env_color}  [tool {call.name}({arguments})] -> {output}{plain}")
+                print(f"{env_color}  [tool {call.name}({arguments})] -> {output}{plain}")
                 observations.append({"role": "tool", "content": output})
             token_ids += rollout.observation_tokens(tokenizer, observations)
 
@@ -334,7 +334,7 @@ RUN_SETTINGS = {
 def resolve_settings(args):
     """The settings once, as train.py resolves a run's: the flags given; then, when --model is
     a run's checkpoint, the run's own (its trainer state), as it evaluated itself; then the
-    env's defaults (envs.run_defaults). So a trained player is evaluated in its game."""
+    env's defaults (envs.run_defaults)."""
     runs = [
         load_trainer_state(model)["args"] for model in args.model
         if (Path(model) / "trainer_state.pt").is_file()

@@ -199,21 +199,19 @@ def collate(trajectories, pad_token_id):
     action_mask[b, t] = 1 iff row b's token t was sampled, sampler_logprobs[b, t] is its
     log-prob, token_rewards[b, t] the rewards of the turns ending at t (place_rewards);
     prompt_lengths[b] counts row b's opening prompt tokens."""
+    def column(field):  # one field of every trajectory, in order
+        return [getattr(trajectory, field) for trajectory in trajectories]
     batch = {
-        "input_ids": padded([trajectory.token_ids for trajectory in trajectories], pad_token_id),
-        "attention_mask": padded([[1] * len(trajectory.token_ids) for trajectory in trajectories]),
-        "action_mask": padded([trajectory.action_mask for trajectory in trajectories]),
-        "sampler_logprobs": padded(
-            [trajectory.logprobs for trajectory in trajectories], dtype=torch.float32
-        ),
+        "input_ids": padded(column("token_ids"), pad_token_id),
+        "attention_mask": padded([[1] * len(token_ids) for token_ids in column("token_ids")]),
+        "action_mask": padded(column("action_mask")),
+        "sampler_logprobs": padded(column("logprobs"), dtype=torch.float32),
     }
     batch["token_rewards"] = place_rewards(
-        [trajectory.turn_rewards for trajectory in trajectories],
-        [trajectory.turn_end_positions for trajectory in trajectories], batch["action_mask"],
+        column("turn_rewards"), column("turn_end_positions"), batch["action_mask"]
     )  # (B, T)
-    prompt_lengths = [trajectory.prompt_length for trajectory in trajectories]
-    batch["prompt_lengths"] = torch.tensor(prompt_lengths)  # (B,)
-    batch["truncated"] = torch.tensor([trajectory.truncated for trajectory in trajectories])  # (B,)
+    batch["prompt_lengths"] = torch.tensor(column("prompt_length"))  # (B,)
+    batch["truncated"] = torch.tensor(column("truncated"))  # (B,)
     return batch
 
 
@@ -223,7 +221,7 @@ def collate(trajectories, pad_token_id):
 def compute_gae(token_rewards, values, action_mask, gamma, lam, last_values=None):
     """GAE over agent tokens only, env tokens skipped. Inputs (B, T); returns (advantages,
     returns), (B, T), 0 off the mask, not whitened. last_values (B,): V(s_end) after each
-    row's last agent token, 0 (default) where the episode ended (train.bootstrap_values)."""
+    row's last agent token, 0 (default) where the episode ended (bootstrap_values)."""
     assert_rewards_on_mask(token_rewards, action_mask)
     B, T = token_rewards.shape
     mask = action_mask.bool()
@@ -231,7 +229,7 @@ def compute_gae(token_rewards, values, action_mask, gamma, lam, last_values=None
     # Carried right-to-left, (B,) each: V and A of the next *agent* token (past the end:
     # V(s_end) and 0). Env tokens leave them be: the recursion jumps over a tool response.
     next_value = values.new_zeros(B) if last_values is None else last_values.to(values.dtype)
-    next_advantage = values.new_zeros(B)  # (B,)
+    next_advantage = values.new_zeros(B)
     for t in reversed(range(T)):
         # δ_t = r_t + γ V(next agent) − V_t
         delta = token_rewards[:, t] + gamma * next_value - values[:, t]
@@ -385,6 +383,6 @@ def value_loss(values, old_values, returns, value_clip):
 
 def truncated_importance_weights(trainer_logprobs, sampler_logprobs, cap):
     """TIS: min(π_trainer_old / π_sampler, cap) per token, (B, T-1). PPO's ratio assumes π_old
-    sampled the tokens, but a bf16 vLLM engine's probabilities differ by ~1e-2 (TRL's
+    sampled the tokens, but a bf16 vLLM engine's probabilities differ (TRL's
     vllm_importance_sampling_correction, verl's rollout correction)."""
     return (trainer_logprobs - sampler_logprobs).exp().clamp(max=cap)

@@ -6,8 +6,11 @@ RAGEN's Echo Trap: groups stop disagreeing (group_reward_std falls), so GRPO has
 to learn from, while success stays low. RAGEN-2's template collapse: responses stop
 depending on their prompts, read from cross-scoring a few prompts' first turns against
 each other (cross_prompt_logprobs, prompt_dependence). And a collapse: success falls far
-below its best. `monitor_warnings` warns on the first and the last only; the others are
-logged for the studies (docs/papers.md, "Which signals lead a collapse").
+below its best. `monitor_warnings` warns on the first and the last only, named apart (its
+messages say each). The leading signals studied (template collapse, gradient-norm spikes,
+...) are logged, not warned on: none led a collapse at this scale without also firing on
+healthy runs (docs/results.md, "The monitor on healthy runs"; bench/reproduce.py
+collapse_signals and docs/papers.md, "Which signals lead a collapse").
 """
 
 import math
@@ -19,8 +22,7 @@ import torch
 import masks
 from nanoagent.models import token_logprobs
 
-# Candidate early signs of collapse, logged every step; bench/reproduce.py collapse_signals
-# measures which lead. The probe costs N^2 short rows.
+# The template-collapse probe's prompts: it costs N^2 short rows.
 PROBE_PROMPTS = 8
 
 
@@ -101,11 +103,6 @@ def recent_change(history, key, window=5):
     return history[-1][key] / baseline - 1 if baseline else 0.0
 
 
-# The monitor warns on two states, named apart (its messages say each): the Echo Trap
-# (RAGEN) and a collapse. The leading signals studied (RAGEN-2's retrieval accuracy,
-# gradient-norm spikes, ...) are logged, not warned on: none led a collapse at this
-# scale without also firing on healthy runs. How each did: docs/results.md, "The
-# monitor on healthy runs", and docs/papers.md, "Which signals lead a collapse".
 COLLAPSE_FLOOR, COLLAPSE_BEST, STALLED_SUCCESS = 0.5, 0.2, 0.2
 
 

@@ -120,10 +120,10 @@ def render_with_stand_ins(tokenizer, messages, tools=None, add_generation_prompt
 @lru_cache(maxsize=16)
 def special_token_pattern(tokenizer):
     """A regex that finds the tokenizer's special tokens (<|im_end|>, ...) in text."""
-    specials = [
-        token.content for token in tokenizer.added_tokens_decoder.values() if token.special
-    ]
-    specials = sorted(specials, key=len, reverse=True)
+    specials = sorted(
+        (token.content for token in tokenizer.added_tokens_decoder.values() if token.special),
+        key=len, reverse=True,
+    )
     return re.compile("(" + "|".join(map(re.escape, specials)) + ")")
 
 
@@ -257,9 +257,9 @@ def add_step_info(info, step_info):
     """Trajectory.info after a step."""
     return {
         **step_info,
-        "tool_calls": info.get("tool_calls", 0) + step_info["tool_calls"],
-        "invalid_calls": info.get("invalid_calls", 0) + step_info["invalid_calls"],
-        "format_errors": info.get("format_errors", 0) + int(step_info["format_error"]),
+        "tool_calls": info["tool_calls"] + step_info["tool_calls"],
+        "invalid_calls": info["invalid_calls"] + step_info["invalid_calls"],
+        "format_errors": info["format_errors"] + int(step_info["format_error"]),
     }
 
 

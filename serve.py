@@ -51,13 +51,9 @@ A segment's last turn also carries the rewards of the later turns of other segme
 sends its own, and a turn's reward comes after its reply. A program that crashes, hangs
 past the time-out, reports no reward or turns that are not its episode's loses its group
 for the step; the log says why.
-When it ends or times out, every process it started is killed, wherever it moved (it
-runs first in a PID namespace of its own, whose processes die with it, whatever their
-session, environment or parent; where namespaces are not allowed, a token in their
-environment finds them, as in nanoagent/sandbox.py, and one that hides it escapes), its
-output read a second more at most, and its episode closed: a late request gets a 404, a
-queued turn or one sampled as it ended is dropped, and nothing is sampled during the
-update.
+When it ends or times out, run_program kills every process it started, wherever it moved,
+and its episode is closed: a late request gets a 404, a queued turn or one sampled as it
+ended is dropped, and nothing is sampled during the update.
 """
 
 import argparse
@@ -241,9 +237,7 @@ class Server:
             max_new_tokens, max_total_tokens, window_s)
         self.temperature = temperature  # None: the request's; train.py's wins
         self.end_of_turn = tokenizer.convert_tokens_to_ids(rollout.END_OF_TURN)
-        self.stop_token_ids = [
-            tokenizer.convert_tokens_to_ids(token) for token in rollout.STOP_TOKENS
-        ]
+        self.stop_token_ids = tokenizer.convert_tokens_to_ids(list(rollout.STOP_TOKENS))
         self.conversations, self.lock, self.turns = [], threading.Lock(), queue.Queue()  # of Turn
         # play's running episodes, {id: (its step's sampling seed, its key)}; its calls
         self.episodes, self.plays = {}, 0
@@ -330,8 +324,7 @@ class Server:
         if not isinstance(tool_schemas, list) or not all(isinstance(s, dict) for s in tool_schemas):
             raise RequestError("tools must be a list of function schemas", "tools")
         opening = opening_for(body.get("tool_choice"), tool_schemas)
-        keys = [json.dumps(tool_schemas, sort_keys=True)]
-        keys += [json.dumps(message, sort_keys=True) for message in messages]
+        keys = [json.dumps(value, sort_keys=True) for value in [tool_schemas, *messages]]
         conversation = self.conversation_for(episode_id, keys, messages)
         trajectory = conversation.trajectory
         try:
@@ -420,8 +413,7 @@ class Server:
         trajectory.messages += new_messages + [{"role": "assistant", "content": text}]
         reply_tokens = sampled, generation.logprobs[:len(sampled)]
         if not calls or any(call.error for call in calls):  # none, or a malformed one
-            finish_reason = "stop" if generation.finish_reason == "stop" else "length"
-            return {"role": "assistant", "content": text}, finish_reason, *reply_tokens
+            return {"role": "assistant", "content": text}, generation.finish_reason, *reply_tokens
         # the text before the calls, as vLLM's Hermes parser
         content = text[:text.index(tools.OPEN_TAG)].strip()
         return {"role": "assistant", "content": content or None, "tool_calls": [
@@ -469,10 +461,8 @@ class Server:
             else misreported(report, len(turns))
         )
         if why:
-            refused = self.refusals[episode_id]
-            why += (
-                f"; {len(refused)} requests refused, the first: {refused[0]}" if refused else ""
-            )
+            if refused := self.refusals[episode_id]:
+                why += f"; {len(refused)} requests refused, the first: {refused[0]}"
             return f"{why}; its last line: {last_line[-200:]!r}"
         for trajectory in trajectories:
             trajectory.turn_rewards[-1] = trajectory.score = reward
@@ -486,8 +476,7 @@ class Server:
         for index, (trajectory, k) in enumerate(turns):
             if turn_rewards is not None:
                 trajectory.turn_rewards[k] = float(turn_rewards[index])
-                # A segment's returns end at its last turn, the episode's do not: that turn
-                # also carries what the later turns of other segments earned (undiscounted)
+                # a segment's last turn also carries the later turns' rewards (module docstring)
                 if k == trajectory.num_turns - 1:
                     trajectory.turn_rewards[k] += sum(map(float, turn_rewards[index + 1:]))
             if states is not None:  # as text: a dictionary key
@@ -571,7 +560,8 @@ def run_program(command, environment, timeout_s):
 def own_pid_namespace() -> list[str]:
     """The argv prefix that runs a program as the first process of a new PID namespace
     (util-linux's unshare, in a user namespace unless we are root): when it exits or is
-    killed, the kernel kills the namespace's every process. [] where that is refused."""
+    killed, the kernel kills the namespace's every process, whatever their session,
+    environment or parent. [] where that is refused."""
     prefix = ["unshare", "--pid", "--fork", "--kill-child"]
     if os.geteuid() != 0:
         prefix += ["--user", "--map-root-user"]
@@ -661,13 +651,12 @@ class Handler(BaseHTTPRequestHandler):
 
     def send_json(self, status, body):
         """Send a JSON body, or Server-Sent Events (bytes)."""
-        data = body if isinstance(body, bytes) else json.dumps(body).encode()
+        streamed = isinstance(body, bytes)
+        data = body if streamed else json.dumps(body).encode()
         try:
             self.send_response(status)
             self.send_header(
-                "Content-Type",
-                "text/event-stream" if isinstance(body, bytes) else "application/json"
-            )
+                "Content-Type", "text/event-stream" if streamed else "application/json")
             self.send_header("Content-Length", str(len(data)))
             self.end_headers()
             self.wfile.write(data)
@@ -704,10 +693,7 @@ def events(completion, include_usage):
     head = {key: completion[key] for key in ("id", "created", "model")}
     lines = [{**head, "object": "chat.completion.chunk", "choices": choices} for choices in chunks]
     if include_usage:
-        lines.append({
-            **head, "object": "chat.completion.chunk", "choices": [],
-            "usage": completion["usage"]
-        })
+        lines.append({**lines[-1], "choices": [], "usage": completion["usage"]})
     return "".join(f"data: {json.dumps(line)}\n\n" for line in lines).encode() + b"data: [DONE]\n\n"
 
 
@@ -717,8 +703,8 @@ def error(message, param=None, code=None, kind="invalid_request_error"):
 
 
 # -----------------------------------------------------------------------------
-# The Responses API (the Agents SDK's default model): a request becomes a chat completion
-# (Server.complete: recorded, batched, token-exact as any), its reply a Response
+# The Responses API: a request becomes a chat completion (Server.complete: recorded,
+# batched, token-exact as any), its reply a Response
 
 
 def responses_to_chat(body, items):
@@ -789,8 +775,8 @@ def chat_to_response(completion):
 
 
 def respond(server, episode_id, body):
-    """POST /v1/responses: the Response; the episode's responses keep their items while it
-    runs (store true or false alike), for previous_response_id to continue."""
+    """POST /v1/responses: the Response, its items kept for previous_response_id (the
+    module docstring)."""
     kept, previous = server.responses.get(episode_id, {}), body.get("previous_response_id")
     if previous is not None and str(previous) not in kept:
         raise RequestError(f"previous_response_id={previous!r}: no response of this episode "
@@ -832,22 +818,14 @@ def main(argv=None):
     parser = argparse.ArgumentParser(
         description="Serve a policy behind an OpenAI-compatible endpoint."
     )
-    parser.add_argument(
-        "--model", required=True,
-        help="Hub name, local checkpoint directory or .gguf file, 'tiny' or 'smollm2-135m'"
-    )
-    parser.add_argument(
-        "--host", default="127.0.0.1", help="the address to bind (default: this machine only)"
-    )
-    parser.add_argument("--port", type=int, default=8000)
-    parser.add_argument(
-        "--max_new_tokens", type=int, default=256,
-        help="per reply, unless the request says less"
-    )
-    parser.add_argument("--max_total_tokens", type=int, default=4096, help="per conversation")
-    parser.add_argument(
-        "--out_dir", default="runs/served", help="where the conversations go on Ctrl-C"
-    )
+    add = parser.add_argument
+    add("--model", required=True,
+        help="Hub name, local checkpoint directory or .gguf file, 'tiny' or 'smollm2-135m'")
+    add("--host", default="127.0.0.1", help="the address to bind (default: this machine only)")
+    add("--port", type=int, default=8000)
+    add("--max_new_tokens", type=int, default=256, help="per reply, unless the request says less")
+    add("--max_total_tokens", type=int, default=4096, help="per conversation")
+    add("--out_dir", default="runs/served", help="where the conversations go on Ctrl-C")
     args = parser.parse_args(argv)
     model, tokenizer = load_model(resolve_model_path(args.model))
     server = Server(
@@ -862,11 +840,10 @@ def main(argv=None):
             replace(c.trajectory, group_id=group_id)
             for group_id, c in enumerate(server.conversations)
         ]
-        Path(args.out_dir).mkdir(parents=True, exist_ok=True)
-        append_jsonl(
-            Path(args.out_dir) / TRAJECTORIES, trajectory_records(trajectories, tokenizer, 0)
-        )
-        print(f"{len(trajectories)} conversations written to {Path(args.out_dir) / TRAJECTORIES}")
+        path = Path(args.out_dir) / TRAJECTORIES
+        path.parent.mkdir(parents=True, exist_ok=True)
+        append_jsonl(path, trajectory_records(trajectories, tokenizer, 0))
+        print(f"{len(trajectories)} conversations written to {path}")
 
 
 if __name__ == "__main__":

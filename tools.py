@@ -34,6 +34,7 @@ python tool runs them side by side, each in nanoagent/sandbox.py.
 import ast
 import json
 import math
+import operator
 import os
 import queue
 import threading
@@ -279,10 +280,10 @@ def serve_tool_calls(tasks):
 MAX_EXPRESSION_CHARS = 300
 MAX_RESULT_BITS = 3400  # about 1000 digits: enough for arithmetic, too few to hang
 BINARY_OPERATORS = {
-    ast.Add: lambda a, b: a + b, ast.Sub: lambda a, b: a - b, ast.Mult: lambda a, b: a * b,
-    ast.Div: lambda a, b: a / b, ast.Pow: lambda a, b: a ** b,
+    ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul,
+    ast.Div: operator.truediv, ast.Pow: operator.pow,
 }
-UNARY_OPERATORS = {ast.UAdd: lambda a: a, ast.USub: lambda a: -a}
+UNARY_OPERATORS = {ast.UAdd: operator.pos, ast.USub: operator.neg}
 
 
 def _evaluate(node):

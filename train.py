@@ -16,9 +16,8 @@ One step, top to bottom (`main`): 1. rollout (rollout.py), 2. StarPO-S filter, 3
 PPO-clip update through the action mask, 6. sync the sampler's weights, 7. log, Echo-Trap
 monitors (RAGEN; monitors.py), eval, atomic checkpoints.
 
-The tiny model starts from random weights, so the default run first does a short,
-cached supervised warm-up (sft.py); pass --warmup_steps 0 for an instruct model that
-knows the tool-call format.
+The tiny model starts from random weights, so the default run first does a short, cached supervised
+warm-up (sft.py); pass --warmup_steps 0 for an instruct model that knows the tool-call format.
 
 On N ranks every rank rolls out its share of the prompts, all ranks see the whole batch,
 and each trains on an equal slice of the kept groups; token counts, whitening and metrics
@@ -26,9 +25,8 @@ are global, so a step does the same on 1 or N ranks. On GPUs the models are shar
 FSDP2 (nanoagent/parallel.py).
 
 Deliberately left out: sequence packing, tensor/pipeline parallelism, an asynchronous
-rollout/update pipeline, and learning-rate schedules. The file reads in the step's order:
-flags, set-up, one section per numbered step (its helpers; the losses are masks.py's), the
-end-of-step bookkeeping (the monitors are monitors.py's), then `main`.
+rollout/update pipeline, and learning-rate schedules. The file reads in the step's order: flags,
+set-up, one section per numbered step (its helpers; the losses are masks.py's), then `main`.
 """
 
 import argparse
@@ -198,9 +196,7 @@ def get_args(argv=None):
     args.kl_estimator = args.kl_estimator or ("k1" if args.kl == "in_reward" else "k3")
     if args.gamma is None:
         args.gamma = 0.95 if args.algo == "gigpo" else 1.0
-    # Dr.GRPO is two changes (Liu et al. 2025): no std division, and each
-    # trajectory's token sum divided by a constant (max_total_tokens) instead of by
-    # its own length. One without the other keeps a bias.
+    # Dr.GRPO (Liu et al. 2025) is two changes (see --dr_grpo): one without the other keeps a bias.
     args.loss_agg = args.loss_agg or ("seq-mean-token-sum-norm" if args.dr_grpo else "token-mean")
 
     def check(condition, message):
@@ -210,7 +206,7 @@ def get_args(argv=None):
     if args.retriever:
         args.env_options["retriever"] = args.retriever
     check(0 < args.filter_ratio <= 1, f"--filter_ratio must be in (0, 1], got {args.filter_ratio}")
-    check(args.algo == "ppo" or args.group_size >= 2 or args.algo == "reinforce_pp",
+    check(args.algo in ("ppo", "reinforce_pp") or args.group_size >= 2,
           "GRPO compares samples within a group: --group_size must be at least 2")
     check(args.filter_ratio == 1 or args.group_size >= 2,
           "StarPO-S filtering ranks groups by reward std: --group_size >= 2")
@@ -244,12 +240,10 @@ def get_args(argv=None):
           f"--env {args.env} has no demonstrations to warm up: pass --warmup_steps 0 "
           "with a model that writes its answer format")
     check(not args.retriever or args.env == "search_qa", "--retriever is for --env search_qa")
-    check(
-        not args.vllm_sleep
-        or (args.sampler == "vllm" and (args.device or autodetect_device_type()) == "cuda"),
-        "--vllm_sleep frees GPU memory: it needs --sampler vllm on a GPU (vLLM has no sleep "
-        "mode on a CPU)",
-    )
+    check(not args.vllm_sleep
+          or (args.sampler == "vllm" and (args.device or autodetect_device_type()) == "cuda"),
+          "--vllm_sleep frees GPU memory: it needs --sampler vllm on a GPU (vLLM has no sleep "
+          "mode on a CPU)")
     return args
 
 # -----------------------------------------------------------------------------
@@ -317,9 +311,8 @@ def set_up(args):
     make_env = envs.env_factory(args.env, args.env_options, data=args.data, split="train")
     server = None
     if args.agent:  # its programs sample at the temperature the update scores at, whatever they ask
-        server = Server(
-            sampler, tokenizer, args.max_new_tokens, args.max_total_tokens, args.temperature
-        )
+        server = Server(sampler, tokenizer, args.max_new_tokens, args.max_total_tokens,
+                        args.temperature)
     else:  # an --agent program writes its own prompts: only --env's are checked
         rollout.check_prompts_fit(make_env, tokenizer, args.max_total_tokens)
     logger = None
@@ -473,10 +466,8 @@ def is_single_update(args, num_rows, step):
     """Is the update one pass over the whole batch? Then its own forward gives the old
     log-probs (one pass fewer, as in TRL), unless KL in the reward needs them first or a
     critic warm-up step skips it."""
-    return (
-        args.ppo_epochs == 1 and (args.minibatch_size or num_rows) >= num_rows
-        and args.kl != "in_reward" and step >= args.critic_warmup
-    )
+    return (args.ppo_epochs == 1 and (args.minibatch_size or num_rows) >= num_rows
+            and args.kl != "in_reward" and step >= args.critic_warmup)
 
 
 def count_minibatches(args, num_kept, world_size):
@@ -498,17 +489,14 @@ def score_batch(run, args, batch, loss_mask, prompt_lengths, single_update):
     input_ids, attention_mask = batch["input_ids"], batch["attention_mask"]
 
     def logprobs_of(model):
-        return token_logprobs(
-            model, input_ids, attention_mask, args.temperature, loss_mask,
-            prompt_lengths=prompt_lengths,
-        )[0]
+        return token_logprobs(model, input_ids, attention_mask, args.temperature, loss_mask,
+                              prompt_lengths=prompt_lengths)[0]
     old_logprobs = torch.zeros_like(loss_mask) if single_update else logprobs_of(run.policy)
     ref_logprobs = logprobs_of(run.reference) if run.reference else None
     values = last_values = None
     if run.critic is not None:
-        # (B, T); [:, :-1] is aligned with loss_mask
-        all_values = critic_values(run.critic, input_ids, attention_mask, prompt_lengths)
-        values = all_values[:, :-1]
+        all_values = critic_values(run.critic, input_ids, attention_mask, prompt_lengths)  # (B, T)
+        values = all_values[:, :-1]  # aligned with loss_mask
         # --truncated_reward zero scores a cut episode 0 as a penalty: it ends there.
         cut = batch["truncated"] & (args.truncated_reward == "keep")
         last_values = masks.bootstrap_values(all_values, attention_mask, cut)  # (B,)
@@ -539,14 +527,11 @@ def credit(args, kept, mine, batch, token_rewards, loss_mask, values, last_value
         ends = [t.turn_end_positions for t in kept[mine]]
         advantages = masks.spread_over_turns(per_turn, ends, batch["action_mask"])
         return advantages[:, 1:] * loss_mask, None, None  # (B, T-1)
-    advantages = masks.reinforce_pp_advantages(
-        token_rewards, loss_mask, args.gamma, sum_over_ranks
-    )
+    advantages = masks.reinforce_pp_advantages(token_rewards, loss_mask, args.gamma, sum_over_ranks)
     return advantages, None, None
 
 # -----------------------------------------------------------------------------
-# Step 5: the update's helpers (its losses, PPO's clipped policy and value losses, are in
-# masks.py beside the masked reductions they use)
+# Step 5: the update's helpers (PPO's losses sit in masks.py beside the masked reductions they use)
 
 
 def batch_mean(per_token, mask):
@@ -643,19 +628,15 @@ def end_of_step(run, args, step, result, progress):
             run.control = acted
             for group in run.optimizers["policy"][1].param_groups:
                 group["lr"] = acted["lr"]
-            print0(
-                f"step {step + 1}: Echo Trap: training on the top {acted['filter_ratio']:.0%} "
-                f"of groups by reward std, learning rate {acted['lr']:.2e}"
-            )
+            print0(f"step {step + 1}: Echo Trap: training on the top {acted['filter_ratio']:.0%} "
+                   f"of groups by reward std, learning rate {acted['lr']:.2e}")
     if run.rank == 0:
         append_jsonl(run.out_dir / "metrics.jsonl", [metrics])
         append_jsonl(run.out_dir / TRAJECTORIES, kept_group(run.tokenizer, step + 1, result))
         if run.logger is not None:
             run.logger.log(metrics, step=step + 1)
-    progress.set_postfix(
-        reward=f"{metrics['reward']:.2f}", success=f"{metrics['success']:.2f}",
-        eval=f"{metrics.get('eval_success', float('nan')):.2f}",
-    )
+    progress.set_postfix(reward=f"{metrics['reward']:.2f}", success=f"{metrics['success']:.2f}",
+                         eval=f"{metrics.get('eval_success', float('nan')):.2f}")
     if (step + 1) % args.save_every == 0 or step + 1 == args.steps:
         save_run(run, args, step + 1)
 
@@ -668,10 +649,8 @@ def save_run(run, args, step):
         "step": step, "rng": gather_objects([rng_state()]), "history": run.history,
         "args": vars(args), "control": run.control, "reference": run.reference_path,
     }
-    run.saving = save_checkpoint(
-        run.out_dir, step, run.policy, run.tokenizer, critic=run.critic,
-        optimizers=run.optimizers, trainer_state=trainer_state,
-    )
+    run.saving = save_checkpoint(run.out_dir, step, run.policy, run.tokenizer, critic=run.critic,
+                                 optimizers=run.optimizers, trainer_state=trainer_state)
 
 
 def kept_group(tokenizer, step, result):
@@ -679,10 +658,8 @@ def kept_group(tokenizer, step, result):
     token with the advantage and old log-prob the update used."""
     mine = result.mine
     rows = [row for row, t in enumerate(mine) if t.group_id == mine[0].group_id]
-    return trajectory_records(
-        [mine[row] for row in rows], tokenizer, step,
-        result.advantages[rows].tolist(), result.old_logprobs[rows].tolist(),
-    )
+    return trajectory_records([mine[row] for row in rows], tokenizer, step,
+                              result.advantages[rows].tolist(), result.old_logprobs[rows].tolist())
 
 
 def finish_run(run, args):
@@ -690,10 +667,8 @@ def finish_run(run, args):
     finish_checkpoint(run.saving)
     if run.server:
         run.server.close()
-    print0(
-        f"done: {args.steps} steps in {time.time() - run.run_start:.0f}s; "
-        f"checkpoints in {run.out_dir}"
-    )
+    print0(f"done: {args.steps} steps in {time.time() - run.run_start:.0f}s; "
+           f"checkpoints in {run.out_dir}")
     if args.sampler == "vllm":
         run.sampler.close()  # before compute_cleanup (VLLMSampler.close says why)
     compute_cleanup()
@@ -706,10 +681,8 @@ def main(argv=None):
     args = get_args(argv)
     run = set_up(args)
     policy, critic, rank, device = run.policy, run.critic, run.rank, run.device
-    progress = tqdm(
-        range(run.start_step, args.steps), desc="RL", disable=rank != 0,
-        initial=run.start_step, total=args.steps,
-    )
+    progress = tqdm(range(run.start_step, args.steps), desc="RL", disable=rank != 0,
+                    initial=run.start_step, total=args.steps)
     for step in progress:
         # 1. Rollout.
         trajectories = play_episodes(run, args, step)
@@ -723,8 +696,7 @@ def main(argv=None):
         batch = {key: value.to(device) for key, value in batch.items()}
         input_ids, attention_mask = batch["input_ids"], batch["attention_mask"]  # (B, T)
         # The loss mask (B, T-1): tokens the policy chose (ablation: every real token).
-        loss_mask = attention_mask if args.no_action_mask else batch["action_mask"]
-        loss_mask = loss_mask[:, 1:].float()
+        loss_mask = (attention_mask if args.no_action_mask else batch["action_mask"])[:, 1:].float()
         prompt_lengths = batch["prompt_lengths"] if run.share_prompts else None  # (B,)
         token_rewards = batch["token_rewards"][:, 1:].clone()  # (B, T-1): on turns' last tokens
 
@@ -786,9 +758,8 @@ def main(argv=None):
                 old = old_logprobs[rows]
                 token_advantages = advantages[rows]  # (b, T-1)
                 if args.tis_cap:  # a positive weight: weighting the advantage weights the loss
-                    sampler_logprobs = batch["sampler_logprobs"][rows, 1:]
                     tis_weights = masks.truncated_importance_weights(
-                        old, sampler_logprobs, args.tis_cap
+                        old, batch["sampler_logprobs"][rows, 1:], args.tis_cap
                     )
                     token_advantages = token_advantages * tis_weights
                     log_tis_weights(tis_weights, mask, args.tis_cap, shares, overall)
@@ -815,9 +786,8 @@ def main(argv=None):
         run.sampler.update_weights(policy, run.dtype)
 
         # 7. Log, watch, evaluate, checkpoint.
-        result = StepResult(
-            trajectories, kept, kept[mine], batch, old_logprobs, advantages, shares, overall, probe
-        )
+        result = StepResult(trajectories, kept, kept[mine], batch, old_logprobs, advantages,
+                            shares, overall, probe)
         end_of_step(run, args, step, result, progress)
     finish_run(run, args)
     return policy, run.history

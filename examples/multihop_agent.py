@@ -128,7 +128,7 @@ if __name__ == "__main__":
     seed = int(os.environ.get("NANOAGENT_TASK_SEED", "10000000"))
     given, answer, turn_rewards, states = play(openai.OpenAI(), seed)
     success = given is not None and normalize(given) == normalize(answer)
-    if turn_rewards:  # the outcome is the last turn's, as the env's
+    if turn_rewards:
         turn_rewards[-1] += float(success)
     print(json.dumps({"reward": float(success), "success": success, "answer": given,
                       "turn_rewards": turn_rewards, "states": states}))

@@ -13,13 +13,13 @@ so a crash loses nothing.
 
 The policy directory is an ordinary HF checkpoint (`eval.py --model DIR` and vLLM
 load it), in the dtype the model came in (bf16 for Qwen2.5: half the size), each
-tied parameter once; training's fp32 master weights go to optimizer/, so `--resume`
-continues from them exactly, on any number of ranks.
+tied parameter once; `--resume` continues exactly from optimizer/'s fp32 masters, on
+any number of ranks.
 A save goes to a temporary directory, is flushed to disk, and only then renamed into
 place, so a process killed mid-save (or a full disk) leaves the earlier checkpoints
 as they were. save_checkpoint takes CPU copies of what it holds (its only time on
-the training's path) and a background thread writes them while training goes on;
-the next save and the end of training wait for it (finish_checkpoint).
+the training's path) and a background thread writes them while training goes on
+(finish_checkpoint waits for it).
 """
 
 import copy
@@ -71,7 +71,7 @@ def temporary_sibling(path, collective=False):
     tmp = None
     if not collective or dist.get_rank() == 0:
         path.parent.mkdir(parents=True, exist_ok=True)
-        for stale in path.parent.glob(f".{path.name}.tmp*"):  # a killed process's
+        for stale in path.parent.glob(f".{path.name}.tmp*"):
             shutil.rmtree(stale, ignore_errors=True)
         tmp = Path(tempfile.mkdtemp(dir=path.parent, prefix=f".{path.name}.tmp"))
     if collective:
@@ -129,7 +129,7 @@ def save_checkpoint(out_dir, step, policy, tokenizer, trainer_state, critic=None
         for model, subdirectory in ((policy, tmp), (critic, tmp / "critic")) if model is not None
     ]
     for model, subdirectory, _ in exports:
-        if hasattr(model, "peft_config"):  # --lora_rank: the adapter alone too; small
+        if hasattr(model, "peft_config"):  # --lora_rank: adapter/ too
             save_adapter(model, subdirectory / "adapter", master)
     # The shards are staged in CPU memory now (from a GPU, into pinned buffers the
     # run's writer keeps, far faster than pageable memory) and written by dcp's own
@@ -245,7 +245,7 @@ def checkpoint_problem(path):
 def latest_checkpoint(out_dir):
     """The newest complete step_* directory in out_dir, or None; a partial or
     corrupted one (a crash, a disk error) is reported and skipped."""
-    for path in sorted(Path(out_dir).glob("step_*"), key=lambda path: path.name, reverse=True):
+    for path in sorted(Path(out_dir).glob("step_*"), reverse=True):
         problem = checkpoint_problem(path)
         if problem is None:
             return path

@@ -62,10 +62,8 @@ def autodetect_dtype(device_type):
 def seed_everything(seed, rank=0):
     """Seed python, torch (CPU and CUDA) so each rank draws a different,
     reproducible stream."""
-    seed = seed + rank
-    random.seed(seed)
-    torch.manual_seed(seed)  # also seeds every CUDA device
-    return seed
+    random.seed(seed + rank)
+    torch.manual_seed(seed + rank)  # also seeds every CUDA device
 
 
 def rng_state():

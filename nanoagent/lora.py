@@ -78,9 +78,11 @@ def save_adapter(model, directory, master):
         directory.mkdir(parents=True)
         # peft's names drop the adapter's name and sit under the PeftModel's prefix
         weights = get_peft_model_state_dict(model, state_dict=adapter)
-        weights = {f"base_model.model.{name}": tensor for name, tensor in weights.items()}
         save_file(
-            {name: tensor.contiguous().cpu() for name, tensor in weights.items()},
+            {
+                f"base_model.model.{name}": tensor.contiguous().cpu()
+                for name, tensor in weights.items()
+            },
             directory / "adapter_model.safetensors"
         )
         model.peft_config["default"].save_pretrained(directory)

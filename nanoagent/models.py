@@ -89,18 +89,25 @@ QWEN25_ADDED_TOKENS = [
     ("<|file_sep|>", False),
 ]
 
+# The chat template's fixed text before and after the tools list.
+TOOLS_BLOCK_START = (
+    "\n\n# Tools\n\nYou may call one or more functions to assist with the user "
+    "query.\n\nYou are provided with function signatures within <tools></tools> XML "
+    "tags:\n<tools>"
+)
+TOOLS_BLOCK_END = (
+    "\n</tools>\n\nFor each function call, return a json object with function name and "
+    "arguments within <tool_call></tool_call> XML tags:\n<tool_call>\n{\"name\": "
+    "<function-name>, \"arguments\": <args-json-object>}\n</tool_call>"
+)
+
 # Single tokens in the tiny tokenizer only (Qwen2.5 BPE-encodes them): the
 # environments' tags, the chat template's fixed tool-block text and the JSON glue of
-# tool schemas and calls. A constant 150-token preamble would cost CPU time and
+# tool schemas and calls. A long constant preamble would cost CPU time and
 # dilute the attention a tiny model must learn to aim at a name.
 TINY_EXTRA_TOKENS = [
     "<tool_response>", "</tool_response>", "<think>", "</think>", "<answer>", "</answer>",
-    "\n\n# Tools\n\nYou may call one or more functions to assist with the user "
-    "query.\n\nYou are provided with function signatures within <tools></tools> XML "
-    "tags:\n<tools>",
-    "\n</tools>\n\nFor each function call, return a json object with function name and "
-    "arguments within <tool_call></tool_call> XML tags:\n<tool_call>\n{\"name\": "
-    "<function-name>, \"arguments\": <args-json-object>}\n</tool_call>",
+    TOOLS_BLOCK_START, TOOLS_BLOCK_END,
     '{"type": "function", "function": {"name": "', '", "description": "',
     '", "parameters": {"type": "object", ',
     '"properties": {', '"required": [', '{"type": "string", "description": "', '{"type": "string"}',
@@ -130,10 +137,8 @@ def with_qwen25_tokens_and_template(tokenizer, extra_tokens=()):
     """Add Qwen2.5's added tokens and chat template -> a transformers tokenizer."""
     tokenizer.add_tokens([
         AddedToken(token, special=special, normalized=False)
-        for token, special in QWEN25_ADDED_TOKENS
+        for token, special in QWEN25_ADDED_TOKENS + [(token, False) for token in extra_tokens]
     ])
-    extra = [AddedToken(token, special=False, normalized=False) for token in extra_tokens]
-    tokenizer.add_tokens(extra)
     fast = PreTrainedTokenizerFast(
         tokenizer_object=tokenizer,
         eos_token="<|im_end|>",  # the instruct models end every turn with <|im_end|>
@@ -153,12 +158,8 @@ def with_qwen25_tokens_and_template(tokenizer, extra_tokens=()):
 TINY_CORPUS = [
     "<|im_start|>system\nYou are Qwen, created by Alibaba Cloud. You are a helpful "
     "assistant.<|im_end|>\n",
-    "\n\n# Tools\n\nYou may call one or more functions to assist with the user "
-    "query.\n\nYou are provided with function signatures within <tools></tools> XML "
-    "tags:\n<tools>\n",
-    "\n</tools>\n\nFor each function call, return a json object with function name and "
-    "arguments within <tool_call></tool_call> XML tags:\n<tool_call>\n{\"name\": "
-    "<function-name>, \"arguments\": <args-json-object>}\n</tool_call><|im_end|>\n",
+    TOOLS_BLOCK_START + "\n",
+    TOOLS_BLOCK_END + "<|im_end|>\n",
     '{"type": "function", "function": {"name": "search", "description": "Search the '
     'knowledge base.", "parameters": {"type": "object", "properties": {"query": '
     '{"type": "string", "description": "The query."}}, "required": ["query"]}}}',
@@ -210,7 +211,7 @@ def tiny_tokenizer():
     chat template; deterministic (the BPE trainer sees the same corpus every time)."""
     bpe = byte_level_pipeline(Tokenizer(models.BPE()))
     trainer = trainers.BpeTrainer(
-        vocab_size=2048, show_progress=False,  # a cap: the corpus yields about 900 tokens
+        vocab_size=2048, show_progress=False,  # a cap, above what the corpus yields
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),  # all 256 bytes: any text encodes
     )
     bpe.train_from_iterator(TINY_CORPUS * 4, trainer=trainer)
@@ -444,7 +445,7 @@ def sample_as_trained(model, temperature):
     )
 
 
-def load_critic(name_or_path, device="cpu", dtype=torch.float32):
+def load_critic(name_or_path, device="cpu"):
     """PPO's critic, V(s_t) for every token: the policy's backbone with a fresh
     Linear(hidden, 1) head (AutoModelForTokenClassification, one label). The head
     starts at zero, so the first advantages are plain discounted rewards. Call it as
@@ -464,12 +465,9 @@ def load_critic(name_or_path, device="cpu", dtype=torch.float32):
             if critic.score.bias is not None:
                 torch.nn.init.zeros_(critic.score.bias)
         return critic
-    critic = built(read, AutoModelForTokenClassification, path, config, dtype, device)
+    critic = built(read, AutoModelForTokenClassification, path, config, torch.float32, device)
     return critic.to(device).eval()
 
-
-# ------------------------------------------------------------------------------
-# A forward pass that runs each shared prompt once (scoring, the warm-up)
 
 def load_for_training(
     model_path, device, dtype, *, temperature, lora_rank, activation_checkpointing, with_critic,
@@ -483,7 +481,6 @@ def load_for_training(
     filled from rank 0's read."""
     built_on = torch.device("meta") if is_sharded() else device
     policy, tokenizer = load_model(model_path, device=built_on)
-    # The temperature checkpoints' generation_config.json will say.
     sample_as_trained(policy, temperature)
     if lora_rank:  # before sharding: the adapters are sharded with their layers
         add_lora(policy, lora_rank)
@@ -499,6 +496,9 @@ def load_for_training(
         reference = shard_model(reference, device)
     return policy, tokenizer, critic, reference
 
+
+# ------------------------------------------------------------------------------
+# A forward pass that runs each shared prompt once (scoring, the warm-up)
 
 def shared_prompt_hidden(model, input_ids, attention_mask, prompt_lengths):
     """The model body's last hidden states (B, T, D) of right-padded rows, each

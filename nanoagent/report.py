@@ -109,9 +109,8 @@ def rounded(values):
 
 
 def trainer_row(values, row, length):
-    """Row `row` of the trainer's (B, T-1) numbers, aligned with token_ids[1:], as
-    one number per token (T,): token 0 has no prediction, so 0.0. None (eval.py has
-    no trainer) stays None."""
+    """Row `row` of the trainer's (B, T-1) numbers as one number per token (T,):
+    token 0 has no prediction, so 0.0. None (eval.py has no trainer) stays None."""
     return None if values is None else [0.0] + rounded(values[row][:length - 1])
 
 
@@ -207,7 +206,6 @@ def report_html(run_dir):
     curves = {
         title: curves_png(history, names, warned) for title, names in plotted.items() if names
     }
-    groups = trajectory_groups(records)
     return TEMPLATE.render(
         page=True, run_dir=run_dir.resolve().name, args=args, problems=problems,
         curves=curves, fired=fired, flat=flat,
@@ -216,7 +214,7 @@ def report_html(run_dir):
             for metrics in history if "eval_success" in metrics
         ],
         wall_s=max([metrics.get("elapsed_s", 0) for metrics in history], default=None),
-        groups=groups,
+        groups=trajectory_groups(records),
         group_count=len({(record.get("step"), record.get("group")) for record in records})
     )
 

@@ -184,31 +184,19 @@ class BM25Retriever:
     (`load(directory)`)."""
 
     def __init__(self, passages, model=None):
-        bm25s = import_bm25s()
         if model is None:
             passages = list(passages)
-            assert len(passages) > 0, "BM25 needs at least one passage"
-            model = bm25s.BM25(k1=1.5, b=0.75, method="lucene")
-            model.index(
-                token_ids(passage_text(p) for p in passages), create_empty_token=False,
-                show_progress=False
-            )
+            model = bm25_index(*token_ids(passage_text(p) for p in passages), show_progress=False)
         self.passages, self.model = passages, model  # passages: a list, or a PassageStore
 
     @classmethod
     def build(cls, passages, directory, total=None) -> "BM25Retriever":
         """Indexes `passages` (any iterable, streamed to disk) into `directory`;
         returns load(directory)."""
-        bm25s = import_bm25s()
         directory = Path(directory)
         directory.mkdir(parents=True, exist_ok=True)
         written = save_passages(passages, directory, total)
-        ids, vocabulary = token_ids(passage_text(p) for p in written)
-        assert len(ids) > 0, "BM25 needs at least one passage"
-        model = bm25s.BM25(k1=1.5, b=0.75, method="lucene")
-        print(f"indexing {len(ids):,} passages, {len(vocabulary):,} distinct words", flush=True)
-        model.index((ids, vocabulary), create_empty_token=False)
-        del ids
+        model = bm25_index(*token_ids(passage_text(p) for p in written), show_progress=True)
         model.save(directory)
         (directory / KIND_FILE).write_text(json.dumps({"kind": "bm25"}))
         return cls.load(directory)
@@ -228,7 +216,6 @@ class BM25Retriever:
         for query in queries:
             passage_scores = np.zeros(scores["num_docs"], dtype=np.float32)  # (N,)
             for t in (vocabulary[word] for word in tokenize(query) if word in vocabulary):
-                # word t's postings: (passage, BM25 term) pairs
                 span = slice(indptr[t], indptr[t + 1])
                 # faster than a[i] += x on long postings
                 np.add.at(passage_scores, indices[span], data[span])
@@ -248,6 +235,18 @@ def token_ids(texts):
     ]
     return ids, vocabulary
 
+
+def bm25_index(ids, vocabulary, show_progress):
+    """bm25s' BM25 of token_ids' output, in Lucene's form (k1 and b as above);
+    show_progress: a line and a progress bar on the way."""
+    assert len(ids) > 0, "BM25 needs at least one passage"
+    if show_progress:
+        print(f"indexing {len(ids):,} passages, {len(vocabulary):,} distinct words", flush=True)
+    model = import_bm25s().BM25(k1=1.5, b=0.75, method="lucene")
+    model.index((ids, vocabulary), create_empty_token=False, show_progress=show_progress)
+    return model
+
+
 # -----------------------------------------------------------------------------
 # Dense retrieval: an encoder's embeddings in faiss (requirements-retrieval.txt)
 
@@ -263,11 +262,11 @@ class DenseRetriever:
         self.passages, self.encoder, self.index = passages, encoder, index
 
     @staticmethod
-    def encode(encoder, texts, prefix, progress=False) -> np.ndarray:
+    def encode(encoder, texts, prefix) -> np.ndarray:
         """(len(texts), dim) float32 unit vectors of prefix + text."""
         return encoder.encode(
             [prefix + text for text in texts], batch_size=256, normalize_embeddings=True,
-            convert_to_numpy=True, show_progress_bar=progress
+            convert_to_numpy=True, show_progress_bar=False
         ).astype(np.float32)
 
     @classmethod

@@ -12,7 +12,7 @@ Log-prob convention. Each sampled token comes with log softmax(logits / temperat
 [token]: the temperature is applied, top-p truncation is not, as in the trainer's own
 forward pass, so the two compare token by token (greedy decoding reports the
 temperature-1 log-prob). train.py logs the gap as `logprob_mismatch`: near 0 in float32,
-~1e-2 in bf16; more means stale weights or another dtype or kernel.
+larger in bf16; more means stale weights or another dtype or kernel.
 
 Seeds. Each row draws from its own torch.Generator, so its tokens depend on its own seed
 only, never on its batch.
@@ -79,9 +79,9 @@ def sample_tokens(logits, temperature, top_p, uniforms):
 def grouped_decode_attention(module, query, key, value, attention_mask, scaling, **kwargs):
     """The static decode step's attention: the query heads that share a key/value head
     attend together, two matmuls that read the cache once. Given a mask, transformers' SDPA
-    first copies each key/value head per query head (repeat_kv), on a GPU half of a 0.5B
-    model's decode step (docs/gpu.md). Scores as its eager attention's: the matmul in the
-    model's dtype, the softmax in float32."""
+    first copies each key/value head per query head (repeat_kv), a large part of a GPU's
+    decode step (docs/gpu.md). Scores as its eager attention's: the matmul in the model's
+    dtype, the softmax in float32."""
     # query (B, H, 1, d); key, value (B, Hkv, W, d); mask (B, 1, 1, W), True: attend
     batch, heads, _, dim = query.shape
     # (B, Hkv, G, d): query head h uses key/value head h // G
@@ -194,6 +194,7 @@ class TorchSampler:
                     own[name].copy_(tensor)
         self.saved = {}
 
+    @torch.inference_mode()
     def generate(
         self, prompts, max_new_tokens, temperature=1.0, top_p=1.0, stop_token_ids=(), seed=0
     ):
@@ -218,21 +219,16 @@ class TorchSampler:
         self.model.eval()
         for start in range(0, len(order), chunk):
             rows = order[start:start + chunk]
-            generations = self._generate_batch(
-                [prompts[r] for r in rows], [max_new_tokens[r] for r in rows], temperature,
-                top_p, set(stop_token_ids), [seeds[r] for r in rows], previous,
+            batch = [prompts[r] for r in rows]
+            state = self.prefill(
+                batch, [max_new_tokens[r] for r in rows], temperature, top_p,
+                [seeds[r] for r in rows], previous,
             )
+            generations = self.decode(state, batch, temperature, top_p, set(stop_token_ids))
             for row, generation in zip(rows, generations):
                 results[row] = generation
         self.model.train(was_training)
         return results
-
-    @torch.inference_mode()
-    def _generate_batch(
-        self, prompts, max_new_tokens, temperature, top_p, stop_token_ids, seeds, previous
-    ):
-        state = self.prefill(prompts, max_new_tokens, temperature, top_p, seeds, previous)
-        return self.decode(state, prompts, temperature, top_p, stop_token_ids)
 
     def prefill(self, prompts, max_new_tokens, temperature, top_p, seeds, previous):
         """Run the prompts into a new cache and sample each row's first token: the decode's
@@ -250,7 +246,6 @@ class TorchSampler:
         steps = max(max_new_tokens)
         cache = self.new_cache(attention_mask.shape[1] + steps, reused)
         bucketed = not any(cached for cached, _ in reused) and not any(cache.is_sliding)
-        # Each row's own seed: its tokens never depend on the batch.
         uniforms = torch.zeros(len(prompts), steps)  # (B, T)
         for row, (limit, seed) in enumerate(zip(max_new_tokens, seeds)):
             uniforms[row, :limit] = torch.rand(limit, generator=torch.Generator().manual_seed(seed))
@@ -402,7 +397,7 @@ class TorchSampler:
                 state.sampled[:, step], state.sampled_logprobs[:, step] = tokens, logprobs
             state.finished |= torch.isin(state.tokens, stops) | (step + 1 >= state.max_new_tokens)
             if static and (step + 1) % 8 and step + 1 < steps:
-                continue  # static: the stops are read back every 8th step only
+                continue
             live = (~state.finished).nonzero().squeeze(1)  # (L,) slots
             # Finished rows leave when the live ones fit a smaller bucket (static: a power of 2)
             bucket = 1 << (len(live) - 1).bit_length() if static and len(live) else len(live)
@@ -508,8 +503,8 @@ class VLLMSampler:
     generation_config.json from adding sampling defaults.
 
     Memory. On a GPU the KV cache gets gpu_memory_utilization of the card (None: vLLM's
-    default); on the CPU, where vLLM would take ~90% of the RAM, kv_cache_memory_bytes
-    bounds it (default KV_CACHE_BYTES_ON_CPU).
+    default); on the CPU, where vLLM would take ~90% of the RAM, KV_CACHE_BYTES_ON_CPU
+    bounds it.
 
     Starting the engine has side effects; the order that keeps runs reproducible:
     - vLLM seeds Python's, NumPy's and torch's global RNGs with `seed`; the constructor puts
@@ -524,7 +519,7 @@ class VLLMSampler:
 
     def __init__(
         self, model_path, seed=0, max_model_len=4096, dtype=None, gpu_memory_utilization=None,
-        kv_cache_memory_bytes=None, enable_sleep_mode=False,
+        enable_sleep_mode=False,
     ):
         # In-process engine, so update_weights hands tensors to the model without pickling them.
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
@@ -543,8 +538,6 @@ class VLLMSampler:
                 f"vLLM has no sleep mode on this platform ({current_platform.device_type}): "
                 "it frees GPU memory, so pass enable_sleep_mode=False here"
             )
-        if on_cpu and kv_cache_memory_bytes is None:
-            kv_cache_memory_bytes = self.KV_CACHE_BYTES_ON_CPU
         options = {}
         if gpu_memory_utilization is not None:
             options["gpu_memory_utilization"] = gpu_memory_utilization
@@ -556,7 +549,7 @@ class VLLMSampler:
         numpy_rng = numpy.random.get_state()
         self.llm = vllm.LLM(
             model=str(model_path), dtype=dtype or ("float32" if on_cpu else "bfloat16"),
-            seed=seed, kv_cache_memory_bytes=kv_cache_memory_bytes,
+            seed=seed, kv_cache_memory_bytes=self.KV_CACHE_BYTES_ON_CPU if on_cpu else None,
             enable_sleep_mode=enable_sleep_mode, max_model_len=max_model_len,
             logprobs_mode="processed_logprobs", generation_config="vllm",
             distributed_executor_backend="external_launcher" if under_torchrun else None,

@@ -240,7 +240,7 @@ def collect(proc, timeout_s, output_bytes, kill, tail=False) -> tuple[bytes, byt
                         selector.unregister(fd)  # read no more, but still wait for the exit
                 if not killed and (stopped or timeout <= 0 or exit_fd not in selector.get_map()):
                     stopped = stopped or ("time-out" if timeout <= 0 else "")
-                    kill()  # then a second more: one we missed may hold a pipe
+                    kill()
                     killed, deadline = True, time.monotonic() + 1.0
     finally:
         if not killed:
