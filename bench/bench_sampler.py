@@ -1,12 +1,14 @@
 """
 Benchmark: TorchSampler against transformers' model.generate and VLLMSampler, in generated tokens per second.
 
-Same model, same 64 prompts of 20-300 tokens (left-padded for generate), same sampling (temperature 1,
+Same model, same prompts for every method (64 of 20-300 tokens, left-padded for generate; a new set each
+timed run, so that no prefix cache carries one run's prefill into the next), same sampling (temperature 1,
 no top-k, no top-p), one run, the methods alternating. The model is the tiny one, or with --shape
 qwen0.5b a random one with Qwen2.5-0.5B's widths (896 wide, 14 heads of 64, 2 key/value heads, MLP
 4864) and --layers layers, where a token's work is real matmuls, or with --shape smollm2-135m the real
 pretrained SmolLM2-135M-Instruct (30 layers, 576 wide; requirements-smollm2.txt). Four workloads:
-  - fixed length: no stop tokens, every row writes exactly max_new_tokens. Pure engine speed.
+  - fixed length: no stop tokens, every row writes exactly max_new_tokens. Pure engine speed. It also
+    prints each method's decode alone: the time a call takes beyond a 1-token call on the same prompts.
   - rollout turn: 14 token ids stop a row (~1.3% of the vocabulary, so rows end at different times,
     as agent turns do). generate keeps computing finished rows until the last one stops;
     TorchSampler drops them. Only tokens up to each row's stop token count.
@@ -159,20 +161,24 @@ def synchronize():
         torch.cuda.synchronize()
 
 
-def tokens_per_second(generate, prompts, stop_token_ids, before=None):
-    """Median generated tokens/s of `generate` over args.repeats runs, after a warm-up; `before()`, if
-    given, runs untimed before each run (the first turn, for the next-turn workload)."""
-    rates = []
+def tokens_per_second(methods, row_sets, stop_token_ids):
+    """{name: median generated tokens/s} of methods {name: (generate, before)} over args.repeats runs after a
+    warm-up, the methods alternating within each run. Run r gives every method the same prompts, row_sets[r],
+    and each run has its own: a prefix cache kept from the run before (vLLM's) must not skip a prefill that the
+    other methods do. `before(r)`, if not None, runs untimed before the method's run r (the first turn, for the
+    next-turn workload)."""
+    rates = {name: [] for name in methods}
     for repeat in range(args.repeats + 1):  # run 0 is the warm-up
-        if before is not None:
-            before()
-        synchronize()
-        start = time.perf_counter()
-        tokens = generate(prompts, stop_token_ids)
-        synchronize()
-        if repeat:
-            rates.append(tokens / (time.perf_counter() - start))
-    return statistics.median(rates)
+        for name, (generate, before) in methods.items():
+            if before is not None:
+                before(repeat)
+            synchronize()
+            start = time.perf_counter()
+            tokens = generate(row_sets[repeat], stop_token_ids)
+            synchronize()
+            if repeat:
+                rates[name].append(tokens / (time.perf_counter() - start))
+    return {name: statistics.median(values) for name, values in rates.items()}
 
 
 def memory_roofline(num_prompts, max_new_tokens, mean_prompt_length):
@@ -196,21 +202,34 @@ def memory_roofline(num_prompts, max_new_tokens, mean_prompt_length):
     return num_prompts / step, step, bandwidth
 
 
-def compute_roofline(num_prompts):
-    """Tokens/s if a decode step were its matmuls alone (2 x parameters FLOPs a row) at the rate a large matmul
-    reaches on this device: the ceiling of a compute-bound decoder (a CPU at 32 rows)."""
+def compute_roofline(prompt_tokens, generated_tokens):
+    """Generated tokens/s if the work were its matmuls alone, at the rate a large matmul reaches on this device
+    (on a CPU the faster of torch's and oneDNN's): the ceiling of a compute-bound decoder (a CPU at 32 rows).
+    A decode (or first) token costs 2 x parameters
+    FLOPs (the body and the output head; looking up an embedding costs none), a prompt token 2 x the body's
+    (a prefill runs the head on each row's last position only, counted with its first generated token).
+    Returns (decode alone, the whole call with its prefill, the matmul's FLOP/s)."""
     size = 4096 if args.device == "cuda" else 1024
     a = torch.randn(size, size, dtype=dtype, device=args.device)
+    matmuls = [lambda: a @ a]  # and on a CPU oneDNN's, which the TorchSampler runs (MKL's may be slower)
+    if args.device == "cpu" and torch.backends.mkldnn.is_available():
+        matmuls.append(lambda: torch.ops.mkldnn._linear_pointwise(a, a, None, "none", [], ""))
     seconds = []
-    for _ in range(5):
-        synchronize()
-        start = time.perf_counter()
-        a @ a
-        synchronize()
-        seconds.append(time.perf_counter() - start)
-    peak = 2 * size**3 / min(seconds[1:])  # FLOP/s
-    step = 2 * sum(parameter.numel() for parameter in model.parameters()) * num_prompts / peak
-    return num_prompts / step, peak
+    for matmul in matmuls:
+        for _ in range(5):
+            synchronize()
+            start = time.perf_counter()
+            matmul()
+            synchronize()
+            seconds.append(time.perf_counter() - start)
+        seconds[-5] = float("inf")  # each one's first run warms it up
+    peak = 2 * size**3 / min(seconds)  # FLOP/s, the faster matmul's
+    embedding, head = model.get_input_embeddings().weight, model.get_output_embeddings().weight
+    body = sum(parameter.numel() for parameter in model.parameters()) - embedding.numel()
+    body -= 0 if head is embedding else head.numel()
+    per_generated = 2 * (body + head.numel())
+    call = generated_tokens / ((2 * body * prompt_tokens + per_generated * generated_tokens) / peak)
+    return peak / per_generated, call, peak
 
 
 print(f"{args.shape} model ({sum(p.numel() for p in model.parameters()) / 1e6:.1f}M parameters, vocabulary "
@@ -220,45 +239,64 @@ print(f"{args.shape} model ({sum(p.numel() for p in model.parameters()) / 1e6:.1
                                                        else ""), flush=True)
 for num_prompts, max_new_tokens in zip(args.num_prompts, args.max_new_tokens):
     lengths = torch.linspace(*args.prompt_lengths, num_prompts).long().tolist()
-    prompts = [torch.randint(0, len(tokenizer), (length,), generator=generator).tolist() for length in lengths]
+    prompt_sets = [[torch.randint(0, len(tokenizer), (length,), generator=generator).tolist() for length in lengths]
+                   for _ in range(2 * (args.repeats + 1))]  # one set a run, the same for every method
     print(f"\n{num_prompts} rows x up to {max_new_tokens} new tokens", flush=True)
-    first_turn = None
+    first_turns = None
     for name in args.workloads:
-        if name == "next turn" and first_turn is None:
-            first_turn = TorchSampler(model).generate(prompts, max_new_tokens, stop_token_ids=ROLLOUT_STOPS,
-                                                     seed=list(range(len(prompts))))
-        rows, stop_token_ids = WORKLOADS[name](prompts, first_turn)
+        if name == "next turn" and first_turns is None:
+            first_turns = [TorchSampler(model).generate(prompts, max_new_tokens, stop_token_ids=ROLLOUT_STOPS,
+                                                        seed=list(range(len(prompts))))
+                           for prompts in prompt_sets[:args.repeats + 1]]
+        row_sets = [WORKLOADS[name](prompts, first_turns and first_turns[repeat])[0]
+                    for repeat, prompts in enumerate(prompt_sets[:args.repeats + 1])]
+        stop_token_ids = WORKLOADS[name](prompt_sets[0], first_turns and first_turns[0])[1]
 
-        def rate(sampler):
-            if name == "next turn":  # the same sampler samples the first turn, untimed, before every timed second
-                return tokens_per_second(sampler_tokens(sampler, max_new_tokens), rows, stop_token_ids,
-                                         before=lambda: sampler_tokens(sampler, max_new_tokens)(prompts, ROLLOUT_STOPS))
-            return tokens_per_second(sampler_tokens(sampler, max_new_tokens), rows, stop_token_ids)
-        ours = rate(TorchSampler(model, batch_size=args.batch_size))
-        theirs = tokens_per_second(hf_generate_tokens(max_new_tokens), rows, stop_token_ids)
-        line = (f"{name:13s} TorchSampler {ours:7.0f} tokens/s   model.generate {theirs:7.0f} tokens/s   "
-                f"{ours / theirs:5.2f}x")
-        print(line, flush=True)
+        def sampler_method(sampler, new_tokens=max_new_tokens):
+            """(generate, before) of a sampler; on the next turn it samples the first turn, untimed, first."""
+            def first_turn(repeat):
+                sampler_tokens(sampler, new_tokens)(prompt_sets[repeat], ROLLOUT_STOPS)
+            return sampler_tokens(sampler, new_tokens), first_turn if name == "next turn" else None
+        samplers = {"TorchSampler": TorchSampler(model, batch_size=args.batch_size)}
         if BaselineSampler is not None:
-            before = rate(BaselineSampler(model, batch_size=args.batch_size))
-            print(f"{'':13s} baseline TorchSampler {before:7.0f} tokens/s   this one / baseline {ours / before:5.2f}x",
-                  flush=True)
+            samplers["baseline TorchSampler"] = BaselineSampler(model, batch_size=args.batch_size)
+        if vllm_sampler is not None:
+            samplers["VLLMSampler"] = vllm_sampler
+        methods = {label: sampler_method(sampler) for label, sampler in samplers.items()}
+        methods["model.generate"] = (hf_generate_tokens(max_new_tokens), None)
+        rates = tokens_per_second(methods, row_sets, stop_token_ids)
+        ours = rates["TorchSampler"]
+        print(f"{name:13s} TorchSampler {ours:7.0f} tokens/s   model.generate {rates['model.generate']:7.0f} "
+              f"tokens/s   {ours / rates['model.generate']:5.2f}x", flush=True)
+        for label in ("baseline TorchSampler", "VLLMSampler"):
+            if label in rates:
+                print(f"{'':13s} {label} {rates[label]:7.0f} tokens/s   TorchSampler / {label} "
+                      f"{ours / rates[label]:5.2f}x", flush=True)
+        if name == "fixed length" and max_new_tokens > 1:
+            # The decode alone: every row writes exactly max_new_tokens, so a call's time beyond a 1-token call
+            # on prompts of the same lengths (new ones: no cache holds them) is the decode of the other
+            # max_new_tokens - 1 tokens a row.
+            one = {label: sampler_method(sampler, 1) for label, sampler in samplers.items()}
+            one["model.generate"] = (hf_generate_tokens(1), None)
+            firsts = tokens_per_second(one, prompt_sets[args.repeats + 1:], stop_token_ids)
+            decode = {label: (max_new_tokens - 1) / (max_new_tokens / rates[label] - 1 / firsts[label])
+                      for label in rates}
+            print(f"{'':13s} decode alone: " + ", ".join(f"{label} {value:.0f}" for label, value in decode.items())
+                  + " tokens/s", flush=True)
         if args.generate_static:
             start = time.perf_counter()
             try:  # transformers compiles it on CUDA: a failure there must not cost the rest of the table
-                static = tokens_per_second(hf_generate_tokens(max_new_tokens, "static"), rows, stop_token_ids)
+                static = tokens_per_second({"static": (hf_generate_tokens(max_new_tokens, "static"), None)},
+                                           row_sets, stop_token_ids)["static"]
                 print(f"{'':13s} model.generate, static cache {static:7.0f} tokens/s   TorchSampler / it "
                       f"{ours / static:5.2f}x   ({time.perf_counter() - start:.0f} s with its compilation)", flush=True)
             except Exception as error:  # noqa: BLE001
                 print(f"{'':13s} model.generate, static cache: failed ({type(error).__name__}: {error})", flush=True)
-        if vllm_sampler is not None:
-            engine = rate(vllm_sampler)
-            print(f"{'':13s} VLLMSampler {engine:7.0f} tokens/s   TorchSampler / VLLMSampler {ours / engine:5.2f}x",
-                  flush=True)
     roofline, step, bandwidth = memory_roofline(num_prompts, max_new_tokens, statistics.fmean(lengths))
-    print(f"{'':13s} memory roofline {roofline:7.0f} tokens/s ({1000 * step:.2f} ms a step: weights and KV cache "
-          f"read once at {bandwidth / 1e9:.0f} GB/s)", flush=True)
-    compute, peak = compute_roofline(num_prompts)
+    print(f"{'':13s} memory roofline {roofline:7.0f} tokens/s ({1000 * step:.2f} ms a decode step: weights and KV "
+          f"cache read once at {bandwidth / 1e9:.0f} GB/s)", flush=True)
+    compute, call, peak = compute_roofline(sum(lengths), num_prompts * max_new_tokens)
     decides = "compute" if compute < roofline else "memory"
-    print(f"{'':13s} compute roofline {compute:7.0f} tokens/s (a matmul's {peak / 1e9:.0f} GFLOP/s); the "
-          f"roofline is the lesser, {min(roofline, compute):.0f} tokens/s ({decides} decides)", flush=True)
+    print(f"{'':13s} compute roofline {compute:7.0f} tokens/s decoding, {call:.0f} over a fixed-length call with "
+          f"its prefill (a matmul's {peak / 1e9:.0f} GFLOP/s); the decode's roofline is the lesser, "
+          f"{min(roofline, compute):.0f} tokens/s ({decides} decides)", flush=True)

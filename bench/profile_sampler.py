@@ -19,7 +19,7 @@ from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # nanoagent/ lives at the repository root
 from nanoagent.models import load_model  # noqa: E402
-from nanoagent.sampler import TorchSampler  # noqa: E402
+from nanoagent.sampler import TorchSampler, linears_through_onednn  # noqa: E402
 
 parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
 parser.add_argument("--threads", type=int, default=1)
@@ -42,7 +42,7 @@ def decode(state):
     sampler.decode(state, prompts, 1.0, 1.0, set())
 
 
-with torch.inference_mode():
+with torch.inference_mode(), linears_through_onednn(model):  # as TorchSampler.generate runs them
     decode(prefill())  # warm-up
     for _ in range(2):
         start = time.perf_counter()

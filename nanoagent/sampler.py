@@ -20,7 +20,9 @@ only, never on its batch.
 
 import os
 import warnings
+from contextlib import contextmanager
 from dataclasses import dataclass, fields
+from functools import partial
 
 import numpy
 import torch
@@ -94,6 +96,33 @@ def grouped_decode_attention(module, query, key, value, attention_mask, scaling,
 
 
 AttentionInterface.register("grouped_decode", grouped_decode_attention)
+
+
+def onednn_linear(linear, input):
+    """nn.Linear's forward through oneDNN when no gradient is taken. torch's own CPU linear
+    calls MKL, whose float32 kernels on AMD's AVX-512 CPUs are its AVX2 ones, where oneDNN
+    runs AVX-512 ones; elsewhere the two are alike (docs/performance.md). Its float order
+    is not the trainer's: within the log-prob convention's float32 noise."""
+    if torch.is_grad_enabled():  # oneDNN's op has no backward
+        return torch.nn.functional.linear(input, linear.weight, linear.bias)
+    return torch.ops.mkldnn._linear_pointwise(input, linear.weight, linear.bias, "none", [], "")
+
+
+@contextmanager
+def linears_through_onednn(model):
+    """Within it, the model's float32 nn.Linear layers on a CPU run onednn_linear."""
+    linears = [
+        module for module in model.modules()
+        if type(module) is torch.nn.Linear and module.weight.device.type == "cpu"
+        and module.weight.dtype == torch.float32 and torch.backends.mkldnn.is_available()
+    ]
+    for linear in linears:
+        linear.forward = partial(onednn_linear, linear)
+    try:
+        yield
+    finally:
+        for linear in linears:
+            del linear.forward
 
 
 class PreallocatedLayer(DynamicLayer):
@@ -217,16 +246,17 @@ class TorchSampler:
         results = [None] * len(prompts)
         was_training = self.model.training
         self.model.eval()
-        for start in range(0, len(order), chunk):
-            rows = order[start:start + chunk]
-            batch = [prompts[r] for r in rows]
-            state = self.prefill(
-                batch, [max_new_tokens[r] for r in rows], temperature, top_p,
-                [seeds[r] for r in rows], previous,
-            )
-            generations = self.decode(state, batch, temperature, top_p, set(stop_token_ids))
-            for row, generation in zip(rows, generations):
-                results[row] = generation
+        with linears_through_onednn(self.model):
+            for start in range(0, len(order), chunk):
+                rows = order[start:start + chunk]
+                batch = [prompts[r] for r in rows]
+                state = self.prefill(
+                    batch, [max_new_tokens[r] for r in rows], temperature, top_p,
+                    [seeds[r] for r in rows], previous,
+                )
+                generations = self.decode(state, batch, temperature, top_p, set(stop_token_ids))
+                for row, generation in zip(rows, generations):
+                    results[row] = generation
         self.model.train(was_training)
         return results
 

@@ -8,11 +8,16 @@ from unittest import mock
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from nanoagent.models import tiny_model, tiny_tokenizer
 from transformers.cache_utils import DynamicLayer
 
-from nanoagent.sampler import Generation, PreallocatedLayer, TorchSampler, grouped_decode_attention, sample_tokens
+import nanoagent.sampler as sampler_module
+from nanoagent.sampler import (
+    Generation, PreallocatedLayer, TorchSampler, grouped_decode_attention, linears_through_onednn, onednn_linear,
+    sample_tokens,
+)
 
 PROMPTS = [[5, 6, 7], list(range(10, 30)), list(range(100, 109)), [42]]  # different lengths on purpose
 
@@ -366,3 +371,25 @@ def test_grouped_decode_attention_is_plain_attention_per_head():
             exps = [math.exp(score - max(scores)) for score in scores]
             expected = sum(e / sum(exps) * v for e, v in zip(exps, values))
             assert torch.allclose(output[row, 0, head], expected, atol=1e-12)
+
+
+def test_the_linears_run_through_onednn_while_sampling_to_the_float_noise_and_are_restored(model, monkeypatch):
+    # torch's CPU linear calls MKL, whose float32 kernels on AMD's AVX-512 CPUs are AVX2 ones: the sampler runs
+    # oneDNN's instead. Every nn.Linear of the model goes through it, and only while sampling.
+    linears = [module for module in model.modules() if type(module) is torch.nn.Linear]
+    called = []
+    monkeypatch.setattr(sampler_module, "onednn_linear",
+                        lambda linear, input: called.append(linear) or onednn_linear(linear, input))
+    TorchSampler(model).generate(PROMPTS, 3)
+    assert {id(linear) for linear in called} == {id(linear) for linear in linears} and len(linears) >= 3
+    assert all("forward" not in vars(linear) for linear in linears)  # nn.Linear's own forward again
+    linear = linears[0]
+    x = torch.randn(5, 3, linear.in_features, requires_grad=True)
+    with linears_through_onednn(model):
+        assert "forward" in vars(linear)
+        with torch.no_grad():
+            assert torch.allclose(linear(x), F.linear(x, linear.weight, linear.bias), atol=1e-5)
+        # With a gradient, the plain linear: oneDNN's op has no backward.
+        assert torch.equal(linear(x), F.linear(x, linear.weight, linear.bias))
+        linear(x).sum().backward()
+    assert torch.allclose(x.grad, linear.weight.sum(0).expand_as(x))
