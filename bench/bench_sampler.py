@@ -241,21 +241,23 @@ for num_prompts, max_new_tokens in zip(args.num_prompts, args.max_new_tokens):
     lengths = torch.linspace(*args.prompt_lengths, num_prompts).long().tolist()
     prompt_sets = [[torch.randint(0, len(tokenizer), (length,), generator=generator).tolist() for length in lengths]
                    for _ in range(2 * (args.repeats + 1))]  # one set a run, the same for every method
+    # the timed runs' prompts, and the decode-alone's 1-token runs' (of the same lengths)
+    timed_sets, one_token_sets = prompt_sets[:args.repeats + 1], prompt_sets[args.repeats + 1:]
     print(f"\n{num_prompts} rows x up to {max_new_tokens} new tokens", flush=True)
     first_turns = None
     for name in args.workloads:
         if name == "next turn" and first_turns is None:
             first_turns = [TorchSampler(model).generate(prompts, max_new_tokens, stop_token_ids=ROLLOUT_STOPS,
                                                         seed=list(range(len(prompts))))
-                           for prompts in prompt_sets[:args.repeats + 1]]
-        row_sets = [WORKLOADS[name](prompts, first_turns and first_turns[repeat])[0]
-                    for repeat, prompts in enumerate(prompt_sets[:args.repeats + 1])]
-        stop_token_ids = WORKLOADS[name](prompt_sets[0], first_turns and first_turns[0])[1]
+                           for prompts in timed_sets]
+        runs = [WORKLOADS[name](prompts, first_turns and first_turns[repeat])
+                for repeat, prompts in enumerate(timed_sets)]
+        row_sets, stop_token_ids = [rows for rows, _ in runs], runs[0][1]
 
         def sampler_method(sampler, new_tokens=max_new_tokens):
             """(generate, before) of a sampler; on the next turn it samples the first turn, untimed, first."""
             def first_turn(repeat):
-                sampler_tokens(sampler, new_tokens)(prompt_sets[repeat], ROLLOUT_STOPS)
+                sampler_tokens(sampler, new_tokens)(timed_sets[repeat], ROLLOUT_STOPS)
             return sampler_tokens(sampler, new_tokens), first_turn if name == "next turn" else None
         samplers = {"TorchSampler": TorchSampler(model, batch_size=args.batch_size)}
         if BaselineSampler is not None:
@@ -278,7 +280,7 @@ for num_prompts, max_new_tokens in zip(args.num_prompts, args.max_new_tokens):
             # max_new_tokens - 1 tokens a row.
             one = {label: sampler_method(sampler, 1) for label, sampler in samplers.items()}
             one["model.generate"] = (hf_generate_tokens(1), None)
-            firsts = tokens_per_second(one, prompt_sets[args.repeats + 1:], stop_token_ids)
+            firsts = tokens_per_second(one, one_token_sets, stop_token_ids)
             decode = {label: (max_new_tokens - 1) / (max_new_tokens / rates[label] - 1 / firsts[label])
                       for label in rates}
             print(f"{'':13s} decode alone: " + ", ".join(f"{label} {value:.0f}" for label, value in decode.items())

@@ -114,8 +114,8 @@ def linears_through_onednn(model):
     linears = [
         module for module in model.modules()
         if type(module) is torch.nn.Linear and module.weight.device.type == "cpu"
-        and module.weight.dtype == torch.float32 and torch.backends.mkldnn.is_available()
-    ]
+        and module.weight.dtype == torch.float32
+    ] if torch.backends.mkldnn.is_available() else []
     for linear in linears:
         linear.forward = partial(onednn_linear, linear)
     try:
