@@ -4,7 +4,8 @@ torch.profiler (its busiest operators), on the fixed-length workload of bench_sa
 
     python bench/profile_sampler.py --threads 2          # docs/performance.md, "Where the TorchSampler's time goes"
 
-32 prompts of 20-300 random token ids (seed 0), 64 new tokens each at temperature 1, no stop tokens;
+32 prompts of 20-300 random token ids (seed 0), sorted by length as TorchSampler.generate sorts its rows, 64 new
+tokens each at temperature 1, no stop tokens;
 SmolLM2-135M-Instruct in float32 (requirements-smollm2.txt).
 """
 
@@ -29,7 +30,8 @@ args = parser.parse_args()
 torch.set_num_threads(args.threads)
 model = load_model("smollm2-135m")[0].eval()
 rng = random.Random(0)
-prompts = [[rng.randrange(100, 40000) for _ in range(rng.randint(20, 300))] for _ in range(args.num_prompts)]
+prompts = sorted(  # as TorchSampler.generate sorts its rows
+    ([rng.randrange(100, 40000) for _ in range(rng.randint(20, 300))] for _ in range(args.num_prompts)), key=len)
 rows, steps = len(prompts), args.max_new_tokens
 sampler = TorchSampler(model)
 
@@ -42,7 +44,7 @@ def decode(state):
     sampler.decode(state, prompts, 1.0, 1.0, set())
 
 
-with torch.inference_mode(), linears_through_onednn(model):  # as TorchSampler.generate runs them
+with torch.inference_mode(), linears_through_onednn(model, rows):  # as TorchSampler.generate runs them
     decode(prefill())  # warm-up
     for _ in range(2):
         start = time.perf_counter()

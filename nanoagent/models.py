@@ -271,8 +271,9 @@ def sdpa_grouped(module, query, key, value, attention_mask, dropout=0.0, scaling
     """transformers' "sdpa" attention, except on the CPU with a padding mask: there
     PyTorch reads the key/value heads that several query heads share (grouped-query
     attention) in place, where transformers copies them once per query head: the same
-    outputs, without copying the KV cache at every decode step. (On a GPU the
-    TorchSampler's static decode step uses sampler.grouped_decode_attention.)"""
+    outputs, without copying the KV cache at every decode step. (The TorchSampler's decode
+    steps attend with sampler.grouped_decode_attention on a GPU and
+    sampler.own_columns_decode_attention on a CPU.)"""
     if query.device.type != "cpu" or attention_mask is None:
         return sdpa_attention_forward(
             module, query, key, value, attention_mask, dropout, scaling, **kwargs

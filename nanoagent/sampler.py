@@ -38,6 +38,8 @@ from nanoagent.parallel import full_weights
 # shortest; one pass that would pad fewer than PREFILL_MIN_PADS tokens is not split (a
 # forward costs more than its tokens: a layer's fixed work, a GPU's idle lanes)
 PREFILL_PADDING, PREFILL_MIN_PADS = 1.25, 1024
+# own_columns_decode_attention: fewer rows a read skip more padding, at a call's overhead each
+DECODE_ROWS_PER_READ = 4
 
 
 @dataclass
@@ -98,26 +100,52 @@ def grouped_decode_attention(module, query, key, value, attention_mask, scaling,
 AttentionInterface.register("grouped_decode", grouped_decode_attention)
 
 
-def onednn_linear(linear, input):
-    """nn.Linear's forward through oneDNN when no gradient is taken. torch's own CPU linear
-    calls MKL, whose float32 kernels on AMD's AVX-512 CPUs are its AVX2 ones, where oneDNN
-    runs AVX-512 ones; elsewhere the two are alike (docs/performance.md). Its float order
-    is not the trainer's: within the log-prob convention's float32 noise."""
+def own_columns_decode_attention(module, query, key, value, attention_mask, scaling, **kwargs):
+    """The CPU decode step's attention, DECODE_ROWS_PER_READ rows at a time, each group's
+    keys and values read from the first column one of its rows attends to. Left padding
+    has a short prompt's row read the longest prompt's width of them, all but its own
+    masked, and on a CPU the attention's time follows what it reads; generate sorts the
+    rows by prompt length, so neighbours start at about the same column."""
+    # query (B, H, 1, d); key, value (B, Hkv, W, d); mask (B, 1, 1, W), True: attend
+    starts = attention_mask[:, 0, 0].int().argmax(-1).tolist()  # (B,) first attended column
+    outputs = []
+    for first in range(0, len(starts), DECODE_ROWS_PER_READ):
+        rows = slice(first, first + DECODE_ROWS_PER_READ)
+        column = min(starts[rows])
+        outputs.append(torch.nn.functional.scaled_dot_product_attention(
+            query[rows], key[rows, :, column:], value[rows, :, column:],
+            attn_mask=attention_mask[rows, :, :, column:], scale=scaling, enable_gqa=True,
+        ))
+    return torch.cat(outputs).transpose(1, 2), None  # (B, 1, H, d), as transformers' are
+
+
+AttentionInterface.register("own_columns_decode", own_columns_decode_attention)
+
+
+def onednn_linear(linear, packed, input):
+    """nn.Linear's forward through oneDNN when no gradient is taken, on its weight `packed`
+    into oneDNN's blocked layout. torch's own CPU linear calls MKL, whose float32 kernels on
+    AMD's AVX-512 CPUs are its AVX2 ones, where oneDNN runs AVX-512 ones; elsewhere the two
+    are alike (docs/performance.md). Its float order is not the trainer's: within the
+    log-prob convention's float32 noise."""
     if torch.is_grad_enabled():  # oneDNN's op has no backward
         return torch.nn.functional.linear(input, linear.weight, linear.bias)
-    return torch.ops.mkldnn._linear_pointwise(input, linear.weight, linear.bias, "none", [], "")
+    return torch.ops.mkldnn._linear_pointwise(input, packed, linear.bias, "none", [], "")
 
 
 @contextmanager
-def linears_through_onednn(model):
-    """Within it, the model's float32 nn.Linear layers on a CPU run onednn_linear."""
+def linears_through_onednn(model, rows):
+    """Within it, the model's float32 nn.Linear layers on a CPU run onednn_linear. Each
+    weight is packed once on entry (for matmuls of about `rows` rows), not at every call
+    as an unpacked weight is: a copy of those weights while it lasts."""
     linears = [
         module for module in model.modules()
         if type(module) is torch.nn.Linear and module.weight.device.type == "cpu"
         and module.weight.dtype == torch.float32
     ] if torch.backends.mkldnn.is_available() else []
     for linear in linears:
-        linear.forward = partial(onednn_linear, linear)
+        packed = torch.ops.mkldnn._reorder_linear_weight(linear.weight.detach(), rows)
+        linear.forward = partial(onednn_linear, linear, packed)
     try:
         yield
     finally:
@@ -246,7 +274,7 @@ class TorchSampler:
         results = [None] * len(prompts)
         was_training = self.model.training
         self.model.eval()
-        with linears_through_onednn(self.model):
+        with linears_through_onednn(self.model, chunk):
             for start in range(0, len(order), chunk):
                 rows = order[start:start + chunk]
                 batch = [prompts[r] for r in rows]
@@ -444,13 +472,16 @@ class TorchSampler:
 
     def step_function(self, state, static, temperature, top_p):
         """Feed each slot's last token, sample the next: (P,) tokens and logprobs; with
-        static shapes on CUDA, as a CUDA graph."""
+        static shapes on CUDA, as a CUDA graph; on a CPU, with own_columns_decode_attention."""
         def decode_step():
             # (P, 1, 1, W) is taken as is
-            mask = state.mask[:, None, None, :] if static else state.mask
+            mask = state.mask[:, None, None, :].bool() if static or own_columns else state.mask
             config, implementation = self.model.config, self.model.config._attn_implementation
             # read at each forward
-            config._attn_implementation = "grouped_decode" if static else implementation
+            config._attn_implementation = (
+                "grouped_decode" if static else "own_columns_decode" if own_columns
+                else implementation
+            )
             try:
                 logits = self.model(
                     input_ids=state.tokens[:, None], attention_mask=mask, use_cache=True,
@@ -459,8 +490,10 @@ class TorchSampler:
             finally:
                 config._attn_implementation = implementation
             return sample_tokens(logits, temperature, top_p, state.step_uniforms)
-        on_cuda = state.row.device.type == "cuda"
-        return self.graphed(decode_step) if on_cuda and static else decode_step
+        device = state.row.device.type
+        # not with a sliding-window layer: it keeps fewer columns than the mask has
+        own_columns = device == "cpu" and not static and not any(state.cache.is_sliding)
+        return self.graphed(decode_step) if device == "cuda" and static else decode_step
 
     @staticmethod
     def graphed(function):

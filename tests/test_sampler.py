@@ -1,5 +1,6 @@
 """nanoagent/sampler.py: log-probs equal a teacher-forced pass, batching is invisible, stops, top-p, the canary."""
 
+import copy
 import math
 import subprocess
 import sys
@@ -16,7 +17,7 @@ from transformers.cache_utils import DynamicLayer
 import nanoagent.sampler as sampler_module
 from nanoagent.sampler import (
     Generation, PreallocatedLayer, TorchSampler, grouped_decode_attention, linears_through_onednn, onednn_linear,
-    sample_tokens,
+    own_columns_decode_attention, sample_tokens,
 )
 
 PROMPTS = [[5, 6, 7], list(range(10, 30)), list(range(100, 109)), [42]]  # different lengths on purpose
@@ -321,7 +322,9 @@ def test_vllm_is_imported_lazily():
 def test_static_shapes_sample_what_the_eager_loop_samples(model):
     # The CUDA path (fixed shapes, finished rows kept in place until the live ones fit a smaller bucket, the whole
     # cache attended under a mask) run eagerly on the CPU, against the default CPU loop: a GRPO group, stop tokens,
-    # per-row limits, then a next turn from the kept cache. Temperature 0.2: see the per-row seeds test.
+    # per-row limits, then a next turn from the kept cache. Temperature 0.2: see the per-row seeds test. In float64:
+    # the two attend in another float order, and float32's noise can move a uniform across a token's boundary.
+    model = copy.deepcopy(model).double()
     prompts = [PROMPTS[1], PROMPTS[0], PROMPTS[1], PROMPTS[3], PROMPTS[2], PROMPTS[0]]
     limits, seeds = [20, 3, 11, 17, 9, 6], [1, 2, 3, 4, 5, 6]
     stop = TorchSampler(model).generate(prompts[:1], 20, temperature=0.2, seed=1)[0].token_ids[12]  # row 0 stops
@@ -354,23 +357,48 @@ def test_static_shapes_pad_to_power_of_two_buckets_and_read_back_every_8_steps(m
     assert {tuple(shape[1:]) for shape in calls[1:]} == {(1, 1, 20 + 30)}
 
 
-def test_grouped_decode_attention_is_plain_attention_per_head():
-    # A plain loop per row and query head against the static decode step's attention: head h reads key/value head
-    # h // 3 (6 query heads over 2), masked columns (False) count for nothing, whatever they hold.
+# grouped_decode's softmax is in float32 whatever the model's dtype, as transformers' eager attention's
+@pytest.mark.parametrize("attention, tolerance", [
+    (grouped_decode_attention, 1e-6), (own_columns_decode_attention, 1e-12),
+])
+def test_the_decode_attentions_are_plain_attention_per_head(attention, tolerance):
+    # A plain loop per row and query head against the decode step's attentions: head h reads key/value head h // 3
+    # (6 query heads over 2), masked columns (False) count for nothing, whatever they hold. Six rows are two of
+    # own_columns' reads, their first columns out of order, one row with a gap (a kept prefix, then padding).
     generator = torch.Generator().manual_seed(0)
     query, key, value = (torch.randn(shape, generator=generator, dtype=torch.float64)
-                         for shape in ((3, 6, 1, 4), (3, 2, 5, 4), (3, 2, 5, 4)))
-    mask = torch.tensor([[1, 1, 1, 1, 1], [0, 1, 0, 1, 1], [0, 0, 0, 0, 1]], dtype=torch.bool)[:, None, None, :]
-    output, weights = grouped_decode_attention(None, query, key, value, mask, scaling=0.5)
-    assert output.shape == (3, 1, 6, 4) and weights is None
-    for row in range(3):
+                         for shape in ((6, 6, 1, 4), (6, 2, 5, 4), (6, 2, 5, 4)))
+    mask = torch.tensor([[1, 1, 1, 1, 1], [0, 1, 0, 1, 1], [0, 0, 0, 0, 1], [0, 0, 1, 1, 1], [0, 0, 0, 1, 1],
+                         [1, 1, 1, 1, 1]], dtype=torch.bool)[:, None, None, :]
+    output, weights = attention(None, query, key, value, mask, scaling=0.5)
+    assert output.shape == (6, 1, 6, 4) and weights is None
+    for row in range(6):
         columns = [column for column in range(5) if mask[row, 0, 0, column]]
         for head in range(6):
             keys, values = key[row, head // 3, columns], value[row, head // 3, columns]  # (n, d) each
             scores = [0.5 * float(query[row, head, 0] @ k) for k in keys]
             exps = [math.exp(score - max(scores)) for score in scores]
             expected = sum(e / sum(exps) * v for e, v in zip(exps, values))
-            assert torch.allclose(output[row, 0, head], expected, atol=1e-12)
+            assert torch.allclose(output[row, 0, head], expected, rtol=0, atol=tolerance)
+
+
+def test_a_cpu_decode_step_reads_each_group_of_rows_from_its_first_attended_column(model):
+    # generate sorts rows by prompt length: the four short prompts' keys are read from the column where the
+    # longest of them starts, not from the 40-token prompt's first; each row still samples what it would alone.
+    prompts = [list(range(3, 43)), [7, 8], list(range(9, 39)), [5, 6, 7], [1, 2, 3, 4], [11]]
+    widths, sdpa = [], F.scaled_dot_product_attention
+
+    def recording(query, key, *args, **kwargs):
+        if query.shape[2] == 1:
+            widths.append(key.shape[2])
+        return sdpa(query, key, *args, **kwargs)
+    with mock.patch("torch.nn.functional.scaled_dot_product_attention", recording):
+        batched = TorchSampler(model).generate(prompts, 2, temperature=0.7, seed=[1, 2, 3, 4, 5, 6])
+    assert widths == [4 + 1, 40 + 1] * model.config.num_hidden_layers  # one decode step, 41 columns wide
+    for row, prompt in enumerate(prompts):
+        alone = TorchSampler(model).generate([prompt], 2, temperature=0.7, seed=row + 1)[0]
+        assert alone.token_ids == batched[row].token_ids
+        assert torch.allclose(torch.tensor(alone.logprobs), torch.tensor(batched[row].logprobs), atol=1e-5)
 
 
 def test_the_linears_run_through_onednn_while_sampling_to_the_float_noise_and_are_restored(model, monkeypatch):
@@ -379,13 +407,13 @@ def test_the_linears_run_through_onednn_while_sampling_to_the_float_noise_and_ar
     linears = [module for module in model.modules() if type(module) is torch.nn.Linear]
     called = []
     monkeypatch.setattr(sampler_module, "onednn_linear",
-                        lambda linear, input: called.append(linear) or onednn_linear(linear, input))
+                        lambda linear, packed, input: called.append(linear) or onednn_linear(linear, packed, input))
     TorchSampler(model).generate(PROMPTS, 3)
     assert {id(linear) for linear in called} == {id(linear) for linear in linears} and len(linears) >= 3
     assert all("forward" not in vars(linear) for linear in linears)  # nn.Linear's own forward again
     linear = linears[0]
     x = torch.randn(5, 3, linear.in_features, requires_grad=True)
-    with linears_through_onednn(model):
+    with linears_through_onednn(model, 15):
         assert "forward" in vars(linear)
         with torch.no_grad():
             assert torch.allclose(linear(x), F.linear(x, linear.weight, linear.bias), atol=1e-5)
