@@ -208,7 +208,7 @@ class DecodeState:
     uniforms: torch.Tensor  # (P, T) the row's uniforms, one a step; T: the longest limit
     step_uniforms: torch.Tensor  # (P,) this step's, where a CUDA graph reads
     finished: torch.Tensor  # (P,) bool
-    mask: torch.Tensor  # (P, W) the cache columns a slot attends to
+    mask: torch.Tensor  # (P, W) bool, the cache columns a slot attends to
     sampled: torch.Tensor  # (P, T) the tokens sampled so far
     sampled_logprobs: torch.Tensor  # (P, T)
 
@@ -321,7 +321,7 @@ class TorchSampler:
             max_new_tokens=torch.tensor(max_new_tokens, device=device), uniforms=uniforms,
             step_uniforms=uniforms[:, 0].clone(),
             finished=torch.zeros(len(prompts), dtype=torch.bool, device=device),
-            mask=attention_mask[copy_of], sampled=sampled, sampled_logprobs=sampled_logprobs,
+            mask=attention_mask[copy_of].bool(), sampled=sampled, sampled_logprobs=sampled_logprobs,
         )
 
     def last_logits(self, input_ids, attention_mask, position_ids, cache):
@@ -431,7 +431,7 @@ class TorchSampler:
         static = self.static_shapes if self.static_shapes is not None else device.type == "cuda"
         static = static and keep_finished
         if static:  # one shape for every step: the mask covers every column, unwritten ones 0
-            state.mask = torch.cat([state.mask, state.mask.new_zeros(num_rows, steps)], 1).bool()
+            state.mask = torch.cat([state.mask, state.mask.new_zeros(num_rows, steps)], 1)
             step_column = torch.tensor([state.prefix_width], device=device)
             for layer in state.cache.layers:
                 layer.write_steps_at(step_column)
@@ -473,15 +473,16 @@ class TorchSampler:
     def step_function(self, state, static, temperature, top_p):
         """Feed each slot's last token, sample the next: (P,) tokens and logprobs; with
         static shapes on CUDA, as a CUDA graph; on a CPU, with own_columns_decode_attention."""
+        device = state.row.device.type
+        # not with a sliding-window layer: it keeps fewer columns than the mask has
+        own_columns = device == "cpu" and not static and not any(state.cache.is_sliding)
+        attention = "grouped_decode" if static else "own_columns_decode" if own_columns else None
+
         def decode_step():
             # (P, 1, 1, W) is taken as is
-            mask = state.mask[:, None, None, :].bool() if static or own_columns else state.mask
+            mask = state.mask[:, None, None, :] if attention else state.mask
             config, implementation = self.model.config, self.model.config._attn_implementation
-            # read at each forward
-            config._attn_implementation = (
-                "grouped_decode" if static else "own_columns_decode" if own_columns
-                else implementation
-            )
+            config._attn_implementation = attention or implementation  # read at each forward
             try:
                 logits = self.model(
                     input_ids=state.tokens[:, None], attention_mask=mask, use_cache=True,
@@ -490,9 +491,6 @@ class TorchSampler:
             finally:
                 config._attn_implementation = implementation
             return sample_tokens(logits, temperature, top_p, state.step_uniforms)
-        device = state.row.device.type
-        # not with a sliding-window layer: it keeps fewer columns than the mask has
-        own_columns = device == "cpu" and not static and not any(state.cache.is_sliding)
         return self.graphed(decode_step) if device == "cuda" and static else decode_step
 
     @staticmethod
