@@ -570,8 +570,10 @@ class VLLMSampler:
     Starting the engine has side effects; the order that keeps runs reproducible:
     - vLLM seeds Python's, NumPy's and torch's global RNGs with `seed`; the constructor puts
       the caller's states back, so seeding before or after building it draws the same;
-    - on the CPU it binds OpenMP threads to cores and makes `torch.set_num_threads` a no-op
-      for the whole process: set OMP_NUM_THREADS (or the threads) before building it.
+    - on the CPU it binds OpenMP threads to cores (VLLM_CPU_OMP_THREADS_BIND chooses which)
+      and replaces `torch.set_num_threads`, for the whole process, with a no-op; the
+      constructor puts the caller's function back, so that a run, or a test, that sets one
+      thread afterwards gets one.
 
     Sleep mode (GPU only). `update_weights` wakes the weights *before* loading into them:
     waking after loading restores the old ones, a stale-weights bug TRL once shipped."""
@@ -607,7 +609,7 @@ class VLLMSampler:
         self.vllm, self.sleeping = vllm, False
         under_torchrun = int(os.environ.get("WORLD_SIZE", 1)) > 1
         caller_rng = rng_state()  # vLLM re-seeds the global RNGs (see above)
-        numpy_rng = numpy.random.get_state()
+        numpy_rng, set_num_threads = numpy.random.get_state(), torch.set_num_threads
         self.llm = vllm.LLM(
             model=str(model_path), dtype=dtype or ("float32" if on_cpu else "bfloat16"),
             seed=seed, kv_cache_memory_bytes=self.KV_CACHE_BYTES_ON_CPU if on_cpu else None,
@@ -618,6 +620,7 @@ class VLLMSampler:
         )
         set_rng_state(caller_rng)
         numpy.random.set_state(numpy_rng)
+        torch.set_num_threads = set_num_threads
 
     def generate(
         self, prompts, max_new_tokens, temperature=1.0, top_p=1.0, stop_token_ids=(), seed=0

@@ -49,8 +49,14 @@ def engine(tmp_path_factory):
     expected = torch.rand(3)
     torch.manual_seed(1234)
     sampler = VLLMSampler(path, seed=7, max_model_len=1024)
-    rng_kept = torch.equal(torch.rand(3), expected)  # vLLM re-seeds the global RNG; the sampler restores it
-    return sampler, model.eval(), AutoTokenizer.from_pretrained(path), rng_kept
+    kept = {"rng": torch.equal(torch.rand(3), expected)}  # vLLM re-seeds the global RNG; the sampler restores it
+    # vLLM's CPU engine makes torch.set_num_threads a no-op for the whole process; the sampler puts it back, or
+    # a later test that sets one thread for a bit-exact comparison would run on two, and fail on some CPUs.
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    kept["set_num_threads"] = torch.get_num_threads() == 1
+    torch.set_num_threads(threads)
+    return sampler, model.eval(), AutoTokenizer.from_pretrained(path), kept
 
 
 def teacher_forced_logprobs(model, prompt, generated, temperature):
@@ -68,8 +74,8 @@ def largest_logprob_error(model, prompts, generations, temperature):
                for prompt, generation in zip(prompts, generations))
 
 
-def test_building_the_engine_leaves_the_callers_rng_alone(engine):
-    assert engine[3]
+def test_building_the_engine_leaves_the_callers_rng_and_threads_alone(engine):
+    assert engine[3] == {"rng": True, "set_num_threads": True}
 
 
 def test_greedy_agrees_with_torch_sampler(engine):
