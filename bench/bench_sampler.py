@@ -84,7 +84,8 @@ parser.add_argument("--baseline-sampler", default=None,
                     help="a sampler.py whose TorchSampler is timed beside this one's (an earlier version, say)")
 parser.add_argument("--no-vllm", action="store_true", help="leave VLLMSampler out even when vLLM is installed")
 parser.add_argument("--threads", type=int, default=1, help="torch CPU threads")
-parser.add_argument("--repeats", type=int, default=3, help="timed runs per method; the median is reported")
+parser.add_argument("--repeats", type=int, default=3,
+                    help="timed runs per method; the median is reported, and each ratio's range over the runs")
 parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
 args = parser.parse_args()
 assert len(args.num_prompts) == len(args.max_new_tokens), "one --max-new-tokens per --num-prompts"
@@ -162,7 +163,7 @@ def synchronize():
 
 
 def tokens_per_second(methods, row_sets, stop_token_ids):
-    """{name: median generated tokens/s} of methods {name: (generate, before)} over args.repeats runs after a
+    """{name: generated tokens/s of each run} of methods {name: (generate, before)} over args.repeats runs after a
     warm-up, the methods alternating within each run. Run r gives every method the same prompts, row_sets[r],
     and each run has its own: a prefix cache kept from the run before (vLLM's) must not skip a prefill that the
     other methods do. `before(r)`, if not None, runs untimed before the method's run r (the first turn, for the
@@ -178,7 +179,15 @@ def tokens_per_second(methods, row_sets, stop_token_ids):
             synchronize()
             if repeat:
                 rates[name].append(tokens / (time.perf_counter() - start))
-    return {name: statistics.median(values) for name, values in rates.items()}
+    return rates
+
+
+def ratio(rates, ours, theirs):
+    """ours / theirs of the medians, and the lowest and highest of the runs' own ratios (a run gives both methods
+    the same prompts): the spread a lead must clear before it is more than a tie."""
+    runs = [a / b for a, b in zip(rates[ours], rates[theirs])]
+    return (f"{statistics.median(rates[ours]) / statistics.median(rates[theirs]):5.2f}x "
+            f"(runs {min(runs):.2f}-{max(runs):.2f}x)")
 
 
 def memory_roofline(num_prompts, max_new_tokens, mean_prompt_length):
@@ -266,21 +275,23 @@ for num_prompts, max_new_tokens in zip(args.num_prompts, args.max_new_tokens):
             samplers["VLLMSampler"] = vllm_sampler
         methods = {label: sampler_method(sampler) for label, sampler in samplers.items()}
         methods["model.generate"] = (hf_generate_tokens(max_new_tokens), None)
-        rates = tokens_per_second(methods, row_sets, stop_token_ids)
+        per_run = tokens_per_second(methods, row_sets, stop_token_ids)
+        rates = {label: statistics.median(values) for label, values in per_run.items()}
         ours = rates["TorchSampler"]
         print(f"{name:13s} TorchSampler {ours:7.0f} tokens/s   model.generate {rates['model.generate']:7.0f} "
-              f"tokens/s   {ours / rates['model.generate']:5.2f}x", flush=True)
+              f"tokens/s   {ratio(per_run, 'TorchSampler', 'model.generate')}", flush=True)
         for label in ("baseline TorchSampler", "VLLMSampler"):
             if label in rates:
                 print(f"{'':13s} {label} {rates[label]:7.0f} tokens/s   TorchSampler / {label} "
-                      f"{ours / rates[label]:5.2f}x", flush=True)
+                      f"{ratio(per_run, 'TorchSampler', label)}", flush=True)
         if name == "fixed length" and max_new_tokens > 1:
             # The decode alone: every row writes exactly max_new_tokens, so a call's time beyond a 1-token call
             # on prompts of the same lengths (new ones: no cache holds them) is the decode of the other
             # max_new_tokens - 1 tokens a row.
             one = {label: sampler_method(sampler, 1) for label, sampler in samplers.items()}
             one["model.generate"] = (hf_generate_tokens(1), None)
-            firsts = tokens_per_second(one, one_token_sets, stop_token_ids)
+            firsts = {label: statistics.median(values)
+                      for label, values in tokens_per_second(one, one_token_sets, stop_token_ids).items()}
             decode = {label: (max_new_tokens - 1) / (max_new_tokens / rates[label] - 1 / firsts[label])
                       for label in rates}
             print(f"{'':13s} decode alone: " + ", ".join(f"{label} {value:.0f}" for label, value in decode.items())
@@ -288,8 +299,9 @@ for num_prompts, max_new_tokens in zip(args.num_prompts, args.max_new_tokens):
         if args.generate_static:
             start = time.perf_counter()
             try:  # transformers compiles it on CUDA: a failure there must not cost the rest of the table
-                static = tokens_per_second({"static": (hf_generate_tokens(max_new_tokens, "static"), None)},
-                                           row_sets, stop_token_ids)["static"]
+                static = statistics.median(tokens_per_second(
+                    {"static": (hf_generate_tokens(max_new_tokens, "static"), None)}, row_sets, stop_token_ids
+                )["static"])
                 print(f"{'':13s} model.generate, static cache {static:7.0f} tokens/s   TorchSampler / it "
                       f"{ours / static:5.2f}x   ({time.perf_counter() - start:.0f} s with its compilation)", flush=True)
             except Exception as error:  # noqa: BLE001

@@ -310,7 +310,8 @@ class TorchSampler:
         uniforms = uniforms.to(device)
         prefill = self.prefill_in_buckets if bucketed else self.last_logits
         logits = prefill(input_ids, attention_mask, position_ids, cache)  # (U, V)
-        cache.batch_select_indices(copy_of)  # (U, ...) -> (B, ...)
+        if len(distinct) < len(prompts):  # rows that share a prompt: (U, ...) -> (B, ...)
+            cache.batch_select_indices(copy_of)
         tokens, logprobs = sample_tokens(logits[copy_of], temperature, top_p, uniforms[:, 0])
         sampled = torch.zeros(len(prompts), steps, dtype=torch.long, device=device)
         sampled_logprobs = torch.zeros(len(prompts), steps, device=device)
@@ -347,7 +348,7 @@ class TorchSampler:
                 buckets.append([row])
         if len(buckets) == 1:
             return self.last_logits(input_ids, attention_mask, position_ids, cache)
-        width, logits, layers = input_ids.shape[1], None, None
+        width, logits = input_ids.shape[1], None
         for bucket in buckets:
             rows = torch.tensor(bucket, device=input_ids.device)
             columns = slice(width - lengths[bucket[0]], width)
@@ -356,18 +357,17 @@ class TorchSampler:
                 input_ids[rows, columns], attention_mask[rows, columns],
                 position_ids[rows, columns], part,
             )
-            if logits is None:  # (U, V), and per layer the (U, H, S, d) keys and values
+            if logits is None:  # (U, V), and the cache's first S columns, zeros (U, H, S, d)
                 logits = bucket_logits.new_empty(len(lengths), bucket_logits.shape[1])
-                layers = [
-                    [states.new_zeros(len(lengths), states.shape[1], width, states.shape[3])
-                     for states in (layer.keys, layer.values)]
-                    for layer in part.layers
-                ]
+                for index, layer in enumerate(part.layers):
+                    zeros = layer.keys.new_zeros(()).expand(
+                        len(lengths), layer.keys.shape[1], width, layer.keys.shape[3]
+                    )
+                    cache.update(zeros, zeros, index)
             logits[rows] = bucket_logits
-            for full, layer in zip(layers, part.layers):
-                full[0][rows, :, columns], full[1][rows, :, columns] = layer.keys, layer.values
-        for index, (keys, values) in enumerate(layers):
-            cache.update(keys, values, index)
+            for full, layer in zip(cache.layers, part.layers):  # into the cache's own buffers
+                full.keys[rows, :, columns] = layer.keys
+                full.values[rows, :, columns] = layer.values
         return logits
 
     @staticmethod
