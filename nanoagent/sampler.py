@@ -610,17 +610,19 @@ class VLLMSampler:
         under_torchrun = int(os.environ.get("WORLD_SIZE", 1)) > 1
         caller_rng = rng_state()  # vLLM re-seeds the global RNGs (see above)
         numpy_rng, set_num_threads = numpy.random.get_state(), torch.set_num_threads
-        self.llm = vllm.LLM(
-            model=str(model_path), dtype=dtype or ("float32" if on_cpu else "bfloat16"),
-            seed=seed, kv_cache_memory_bytes=self.KV_CACHE_BYTES_ON_CPU if on_cpu else None,
-            enable_sleep_mode=enable_sleep_mode, max_model_len=max_model_len,
-            logprobs_mode="processed_logprobs", generation_config="vllm",
-            distributed_executor_backend="external_launcher" if under_torchrun else None,
-            **options,
-        )
-        set_rng_state(caller_rng)
-        numpy.random.set_state(numpy_rng)
-        torch.set_num_threads = set_num_threads
+        try:
+            self.llm = vllm.LLM(
+                model=str(model_path), dtype=dtype or ("float32" if on_cpu else "bfloat16"),
+                seed=seed, kv_cache_memory_bytes=self.KV_CACHE_BYTES_ON_CPU if on_cpu else None,
+                enable_sleep_mode=enable_sleep_mode, max_model_len=max_model_len,
+                logprobs_mode="processed_logprobs", generation_config="vllm",
+                distributed_executor_backend="external_launcher" if under_torchrun else None,
+                **options,
+            )
+        finally:  # an engine that failed to start may have changed them too
+            set_rng_state(caller_rng)
+            numpy.random.set_state(numpy_rng)
+            torch.set_num_threads = set_num_threads
 
     def generate(
         self, prompts, max_new_tokens, temperature=1.0, top_p=1.0, stop_token_ids=(), seed=0
